@@ -1,0 +1,60 @@
+"""shardwise: ZeRO-sharded, fault-tolerant distributed training for PyTorch models."""
+
+from shardwise.comm import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    DesyncError,
+    Group,
+    all_gather,
+    all_gather_list,
+    all_reduce,
+    all_reduce_coalesced,
+    broadcast,
+    comm_stats,
+    new_group,
+    recv,
+    reduce_scatter,
+    send,
+    split,
+)
+from shardwise.dist import (
+    DistInitError,
+    barrier,
+    device,
+    init,
+    local_rank,
+    rank,
+    shutdown,
+    world_size,
+)
+from shardwise.mesh import Mesh
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "DesyncError",
+    "DistInitError",
+    "Group",
+    "Mesh",
+    "__version__",
+    "all_gather",
+    "all_gather_list",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "barrier",
+    "broadcast",
+    "comm_stats",
+    "device",
+    "init",
+    "local_rank",
+    "new_group",
+    "rank",
+    "recv",
+    "reduce_scatter",
+    "send",
+    "shutdown",
+    "split",
+    "world_size",
+]
