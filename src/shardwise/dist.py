@@ -52,7 +52,8 @@ def _int_env(env: dict[str, str], *names: str) -> int | None:
             try:
                 return int(env[name])
             except ValueError as exc:
-                raise DistInitError(f"environment variable {name}={env[name]!r} is not an int") from exc
+                raise DistInitError(
+                    f"environment variable {name}={env[name]!r} is not an int") from exc
     return None
 
 
@@ -148,10 +149,10 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S) -> None:
                                     timeout=td)
         elif backend == "mpi":
             dist.init_process_group("mpi", timeout=td)
-        else:
-            store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
-                                  is_master=env.rank == 0, timeout=td, wait_for_workers=True)
-            dist.init_process_group(backend, store=store, rank=env.rank,
+        else:  # env:// reuses torchrun's agent store when there is one
+            os.environ.setdefault("MASTER_ADDR", env.master_addr)
+            os.environ.setdefault("MASTER_PORT", str(env.master_port))
+            dist.init_process_group(backend, init_method="env://", rank=env.rank,
                                     world_size=env.world_size, timeout=td)
     except (RuntimeError, dist.DistError) as exc:
         raise DistInitError(
@@ -230,5 +231,9 @@ def shutdown() -> None:
     """Leave the process group (only if shardwise formed it)."""
     global _ctx
     if _ctx is not None and _ctx.owns_group and dist.is_initialized():
+        # Leave together: a gloo rank that tears down its pairs while a peer is still sending
+        # can abort that peer.
+        if dist.get_world_size() > 1:
+            barrier()
         dist.destroy_process_group()
     _ctx = None

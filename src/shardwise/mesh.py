@@ -34,9 +34,9 @@ class Mesh:
         if len(fill) > 1:
             raise ValueError(f"only one mesh axis may be -1 (fill), got {fill}")
         known = 1
-        for a, s in sizes.items():
-            if s != -1:
-                known *= s
+        for size in sizes.values():
+            if size != -1:
+                known *= size
         if fill:
             if n % known:
                 raise ValueError(f"world size {n} is not divisible by {known} "

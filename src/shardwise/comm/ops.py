@@ -253,7 +253,7 @@ def reduce_scatter(t: torch.Tensor, op: str = "sum", group: GroupLike = None,
 
 
 def send(t: torch.Tensor, dst: int, group: GroupLike = None,
-         async_op: bool = False) -> None | Handle:
+         async_op: bool = False) -> Handle | None:
     """Send ``t`` to global rank ``dst``. Communicates: t's bytes."""
     g = resolve(group)
     _check_tensor(t, "t", "send")

@@ -1,0 +1,1 @@
+"""The ``shardwise`` command line: parses options and launches ranks, nothing more."""

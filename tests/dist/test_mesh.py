@@ -1,0 +1,70 @@
+"""Process groups, MPI-style split and the pp x dp x tp mesh on real ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardwise
+from shardwise.testing import run_on_ranks
+
+
+def _split_task():
+    w, r = shardwise.world_size(), shardwise.rank()
+    # even ranks and odd ranks; key reverses the order inside each group
+    g = shardwise.split(color=r % 2, key=-r)
+    parity = [i for i in range(w) if i % 2 == r % 2]
+    assert list(g.ranks) == sorted(parity, reverse=True)
+    full = shardwise.all_gather(torch.tensor([r]), group=g)
+    assert full.tolist() == list(g.ranks)  # chunks follow group-rank (key) order
+    total = shardwise.all_reduce(torch.tensor([float(r)]), group=g)
+    assert total.item() == sum(parity)
+    mine = shardwise.reduce_scatter(torch.arange(float(2 * g.size)), group=g)
+    assert mine.tolist() == [2.0 * g.size * g.rank, 2.0 * g.size * g.rank + g.size]
+    none = shardwise.split(color=None if r == 0 else 0)
+    assert (none is None) == (r == 0)
+    return g.rank
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_split(world):
+    ranks = run_on_ranks(world, _split_task)
+    for r, gr in enumerate(ranks):
+        parity = [i for i in range(world) if i % 2 == r % 2]
+        assert gr == sorted(parity, reverse=True).index(r)
+
+
+def _mesh_task(dp, tp, pp):
+    mesh = shardwise.Mesh(dp=dp, tp=tp, pp=pp)
+    r = shardwise.rank()
+    c = mesh.coords
+    assert r == (c["pp"] * dp + c["dp"]) * tp + c["tp"]
+    out = {}
+    for axes in (("dp",), ("tp",), ("pp",), ("dp", "tp"), ("pp", "dp", "tp")):
+        g = mesh.group(*axes)
+        members = shardwise.all_gather(torch.tensor([r]), group=g).tolist()
+        out["+".join(axes)] = members
+    return c, out
+
+
+def test_mesh_layout_and_groups():
+    results = run_on_ranks(4, _mesh_task, 2, 2, 1)
+    for r, (c, groups) in enumerate(results):
+        assert c == {"pp": 0, "dp": r // 2, "tp": r % 2}
+        assert groups["tp"] == [r - r % 2, r - r % 2 + 1]  # tp peers are neighbours
+        assert groups["dp"] == [r % 2, r % 2 + 2]
+        assert groups["pp"] == [r]
+        assert groups["dp+tp"] == [0, 1, 2, 3]
+    results = run_on_ranks(4, _mesh_task, 1, 2, 2)
+    for r, (c, groups) in enumerate(results):
+        assert c == {"pp": r // 2, "dp": 0, "tp": r % 2}
+        assert groups["pp"] == [r % 2, r % 2 + 2]
+
+
+def test_mesh_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="does not match the world size 4"):
+        shardwise.Mesh(dp=3, tp=1, pp=1, world_size=4)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        shardwise.Mesh(dp=0, world_size=4)
+    with pytest.raises(ValueError, match="not divisible"):
+        shardwise.Mesh(dp=-1, tp=3, world_size=4)
