@@ -1,0 +1,158 @@
+"""Saving in the background: snapshot to host memory now, write and commit while training runs.
+
+The background thread coordinates over its own process group, formed when the writer is
+constructed, so its collectives never interleave with the training step's on the main group.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from shardwise import comm
+from shardwise import dist as sw_dist
+from shardwise.checkpoint.shards import ShardEntry, prepare_entries
+from shardwise.checkpoint.writer import check_trainer_state, save_snapshot
+
+log = logging.getLogger("shardwise.checkpoint")
+
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+class AsyncCheckpointWriter:
+    """Background checkpoint saves into one root; construct and use it on every rank.
+
+    Args:
+        root: checkpoint root on a filesystem every rank sees.
+        keep_last: after each commit, keep only the newest ``keep_last`` checkpoints.
+        timeout_s: how long a rank's background thread waits for the others (the slowest
+            rank's write must fit in it). Default 1800 s.
+        verify_writes: read each written file back and check its sha256 before the commit.
+
+    Construction is collective: it forms the writer's process group over the whole world
+    (``comm.new_group``), so every rank must construct it at the same point.
+    """
+
+    def __init__(
+        self,
+        root: Path | str,
+        keep_last: int | None = None,
+        timeout_s: float | None = None,
+        verify_writes: bool = True,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 (or None to keep all), got {keep_last}")
+        timeout = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
+        if timeout <= 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.verify_writes = verify_writes
+        self.group = comm.new_group(list(range(sw_dist.world_size())), timeout_s=timeout,
+                                    dedicated=True)
+        self.last_committed: Path | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def pending(self) -> bool:
+        """True while a save is being written or committed."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def save(
+        self,
+        step: int,
+        entries: list[ShardEntry],
+        trainer_state: dict[str, Any],
+        rank_state: object,
+    ) -> None:
+        """Snapshot this rank's state and save it as step ``step`` in the background.
+
+        Blocks only to finish the previous save (re-raising its error) and to copy the entries
+        to host memory, ``trainer_state`` through JSON and ``rank_state`` through pickle: the
+        caller may change all of them once this returns. Arguments as in ``save_checkpoint``.
+
+        Communicates (from the background thread, on this writer's group): the collectives of
+        ``save_checkpoint``.
+        """
+        self.wait()
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        snapshot: list[ShardEntry] = []
+        state, blob, error = trainer_state, b"", None
+        try:
+            snapshot = prepare_entries(entries, copy=True)
+            state = check_trainer_state(trainer_state)
+            blob = pickle.dumps(rank_state, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # raised on every rank by the protocol, via wait()
+            error = exc
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(step, snapshot, state, blob, error),
+            daemon=True,
+            name=f"shardwise-ckpt-step{step}",
+        )
+        self._thread.start()
+
+    def _run(
+        self,
+        step: int,
+        entries: list[ShardEntry],
+        trainer_state: dict[str, Any],
+        blob: bytes,
+        error: Exception | None,
+    ) -> None:
+        try:
+            self.last_committed = save_snapshot(
+                self.root,
+                step,
+                entries,
+                trainer_state,
+                blob,
+                keep_last=self.keep_last,
+                group=self.group,
+                verify_writes=self.verify_writes,
+                local_error=error,
+            )
+        except BaseException as exc:  # handed to the caller by wait()
+            log.error("rank %d: background save of step %d failed: %s", sw_dist.rank(), step, exc)
+            self._error = exc
+
+    def wait(self, timeout_s: float | None = None) -> Path | None:
+        """Block until the pending save is committed; return its path (None if none yet).
+
+        Raises:
+            The pending save's error, once. TimeoutError when ``timeout_s`` passes first
+            (the save keeps running; call ``wait`` again).
+        """
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise TimeoutError(f"checkpoint save still running after {timeout_s} s")
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return self.last_committed
+
+    def close(self) -> None:
+        """Wait for the pending save (raising its error)."""
+        self.wait()
+
+    def __enter__(self) -> AsyncCheckpointWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        elif self._thread is not None:  # already failing: wait, keep the first error
+            self._thread.join()
