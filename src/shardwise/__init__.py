@@ -17,6 +17,7 @@ from shardwise.comm import (
     send,
     split,
 )
+from shardwise.config import Config
 from shardwise.dist import (
     DistInitError,
     barrier,
@@ -27,15 +28,19 @@ from shardwise.dist import (
     shutdown,
     world_size,
 )
+from shardwise.engine import Engine, initialize
 from shardwise.mesh import Mesh
+from shardwise.recompute import checkpoint, checkpoint_sequential
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CollectiveError",
     "CollectiveTimeoutError",
+    "Config",
     "DesyncError",
     "DistInitError",
+    "Engine",
     "Group",
     "Mesh",
     "__version__",
@@ -45,9 +50,12 @@ __all__ = [
     "all_reduce_coalesced",
     "barrier",
     "broadcast",
+    "checkpoint",
+    "checkpoint_sequential",
     "comm_stats",
     "device",
     "init",
+    "initialize",
     "local_rank",
     "new_group",
     "rank",

@@ -109,8 +109,6 @@ class RankPool:
         first_error: tuple[int, str] | None = None
         while len(got) < self.world_size:
             remaining = deadline - time.monotonic()
-            if first_error is not None:  # give the other ranks a moment to report, then stop
-                remaining = min(remaining, 5.0)
             if remaining <= 0:
                 break
             try:
@@ -120,10 +118,13 @@ class RankPool:
                 if dead and first_error is None:
                     first_error = (dead[0], f"rank {dead[0]} process died "
                                             f"(exit code {self._procs[dead[0]].exitcode})")
+                    deadline = min(deadline, time.monotonic() + 5.0)
                 continue
             got[rank] = (status, value)
             if status == "error" and first_error is None:
                 first_error = (rank, value)
+            if first_error is not None:  # give the other ranks a moment to report, then stop
+                deadline = min(deadline, time.monotonic() + 5.0)
         if first_error is not None:
             self.close()
             rank, tb = first_error

@@ -92,13 +92,15 @@ def resolve(group: Group | ProcessGroup | None) -> Group:
 
 
 def new_group(ranks: list[int] | tuple[int, ...], timeout_s: float | None = None,
-              name: str | None = None) -> Group:
+              name: str | None = None, dedicated: bool = False) -> Group:
     """Form a group of the given global ranks. Every rank of the world must call it, in the
     same order as every other ``new_group`` (torch's rule).
 
     Args:
         ranks: distinct global ranks; their order is the group-rank order.
         timeout_s: how long a collective in this group may wait; default the world's timeout.
+        dedicated: always form a new torch group, even for all ranks (e.g. for a background
+            thread whose collectives must never interleave with the main thread's).
     """
     n = sw_dist.world_size()
     ranks = tuple(int(r) for r in ranks)
@@ -115,7 +117,7 @@ def new_group(ranks: list[int] | tuple[int, ...], timeout_s: float | None = None
     name = name or f"group{next(_names)}"
     if len(ranks) == 1:  # nothing to talk to: no torch group (every rank skips it alike)
         return Group(None, ranks, name, timeout)
-    if len(ranks) == n and timeout == sw_dist.timeout_s():
+    if len(ranks) == n and timeout == sw_dist.timeout_s() and not dedicated:
         return Group(dist.group.WORLD, ranks, name, timeout)
     pg = dist.new_group(sorted(ranks), timeout=datetime.timedelta(seconds=timeout))
     return Group(pg if sw_dist.rank() in ranks else None, ranks, name, timeout)

@@ -207,11 +207,16 @@ def chunk_sizes(n: int, parts: int) -> list[int]:
 
 
 def reduce_scatter(t: torch.Tensor, op: str = "sum", group: GroupLike = None,
-                   async_op: bool = False, out: torch.Tensor | None = None
-                   ) -> torch.Tensor | Handle:
+                   async_op: bool = False, out: torch.Tensor | None = None,
+                   inplace_ok: bool = False) -> torch.Tensor | Handle:
     """Reduce ``t`` across the group and return this rank's chunk of dim 0 (chunks as
-    ``torch.tensor_split``: sizes need not divide). Communicates: reduce_scatter (payload: the
-    unreduced input's bytes)."""
+    ``torch.tensor_split``: sizes need not divide).
+
+    On gloo, whose reduce_scatter runs a full all_reduce internally and is slower than
+    all_reduce itself, this is an all_reduce followed by taking the chunk; ``inplace_ok=True``
+    lets it reduce ``t`` in place instead of a copy (the caller no longer needs ``t``).
+    Communicates: reduce_scatter (payload: the unreduced input's bytes).
+    """
     g = resolve(group)
     rop = _reduce_op(op, "reduce_scatter")
     _check_tensor(t, "t", "reduce_scatter")
@@ -219,18 +224,22 @@ def reduce_scatter(t: torch.Tensor, op: str = "sum", group: GroupLike = None,
         raise TypeError(f"reduce_scatter: op 'avg' needs a floating dtype, got {t.dtype}")
     src = t.reshape(-1) if t.dim() == 0 else t
     sizes = chunk_sizes(src.shape[0], g.size)
-    mine = sizes[g.rank]
-    rest = src.shape[1:]
+    mine, rest = sizes[g.rank], src.shape[1:]
+    begin = sum(sizes[: g.rank])
     if out is None:
         out = torch.empty((mine, *rest), dtype=t.dtype, device=t.device)
-    elif tuple(out.shape) != (mine, *rest):
-        raise ValueError(f"reduce_scatter: out must have shape {(mine, *rest)}, "
-                         f"got {tuple(out.shape)}")
+    elif tuple(out.shape) != (mine, *rest) or out.dtype != t.dtype:
+        raise ValueError(f"reduce_scatter: out must have shape {(mine, *rest)} and dtype "
+                         f"{t.dtype}, got {tuple(out.shape)} {out.dtype}")
+    via_all_reduce = g.size > 1 and dist.get_backend(g.pg) == "gloo"
     even = len(set(sizes)) == 1 and not g.permuted
-    width = sizes[0]
-    if even:
+    if via_all_reduce:
+        staged = src if inplace_ok else src.clone()
+        recv = staged
+    elif even:
         staged, recv = src, out
     else:  # lay chunk i into slot torch_position(i) of a padded buffer, zero elsewhere
+        width = sizes[0]
         staged = src.new_zeros((g.size * width, *rest))
         offsets = [sum(sizes[:i]) for i in range(g.size)]
         for i in range(g.size):
@@ -239,11 +248,18 @@ def reduce_scatter(t: torch.Tensor, op: str = "sum", group: GroupLike = None,
         recv = src.new_empty((width, *rest))
 
     def issue() -> list[Any]:
+        if via_all_reduce:
+            return [dist.all_reduce(staged, rop, group=g.pg, async_op=True)]
         return [_reduce_scatter_single(recv, staged, op=rop, group=g.pg, async_op=True)]
 
     def finish() -> torch.Tensor:
         if g.size == 1:
-            out.copy_(src)
+            if out.data_ptr() != src.data_ptr():
+                out.copy_(src)
+        elif via_all_reduce:
+            chunk = recv[begin: begin + mine]
+            if out.data_ptr() != chunk.data_ptr():
+                out.copy_(chunk)
         elif recv is not out:
             out.copy_(recv[:mine])
         return _finish_avg(out, op, g.size)()

@@ -1,0 +1,180 @@
+"""``shardwise.Config``: one typed, validated configuration for a training run.
+
+Flat for the common knobs (``Config(zero_stage=3, precision="bf16")``); loaded from a dict or a
+JSON / TOML / YAML file; unknown keys and bad values raise ``ValueError`` naming the key, the
+allowed values and, for a near-miss spelling, the key that was probably meant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+REDUCE_DTYPES = (None, "fp32", "bf16", "fp16")
+RESUME = ("never", "auto")
+MiB = 1 << 20
+
+
+@dataclass(kw_only=True)
+class Config:
+    """Everything that shapes a training run. Each field documents its unit."""
+
+    zero_stage: int = 0
+    """ZeRO stage: 0 data parallel, 1 shard optimizer states, 2 also gradients, 3 also params."""
+    micro_batch_size: int | None = None
+    """Sequences per rank per micro-step (for the derived global batch; None: not tracked)."""
+    gradient_accumulation_steps: int = 1
+    """Micro-steps per optimizer step."""
+    gradient_clipping: float | None = None
+    """Clip gradients to this global L2 norm (None: no clipping)."""
+    reduce_bucket_bytes: int = 16 * MiB
+    """Stages 0-2: gradient bucket size in bytes (one collective per bucket)."""
+    prefetch_units: int = 1
+    """Stage 3: how many units ahead to all-gather parameters while computing."""
+    wrap_policy: list[str] | None = None
+    """Stage 3: module class names that form units (None: each direct child with parameters)."""
+    seed: int = 0
+    """Seed for torch, numpy and python RNGs (each rank gets the same seed)."""
+    precision: str = "fp32"
+    """Compute dtype of parameters and activations: fp32, bf16 or fp16."""
+    reduce_dtype: str | None = None
+    """Dtype gradients are reduced in (None: fp32)."""
+    initial_loss_scale_power: int = 16
+    """fp16: the dynamic loss scale starts at 2**this."""
+    loss_scale_window: int = 1000
+    """fp16: double the loss scale after this many steps without overflow."""
+    min_loss_scale: float = 1.0
+    """fp16: the loss scale never goes below this."""
+    activation_checkpointing: list[str] | None = None
+    """Module class names whose activations are recomputed in backward (e.g. ["Block"])."""
+    offload_optimizer: bool = False
+    """Keep fp32 master weights and optimizer states in host memory; step on the CPU."""
+    allow_untested_optimizer: bool = False
+    """Accept an optimizer class shardwise does not know to be element-wise."""
+    checkpoint_dir: str | None = None
+    """Directory for sharded checkpoints (None: no automatic checkpoints)."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every this many optimizer steps (0: never automatically)."""
+    keep_last: int | None = 3
+    """Keep this many committed checkpoints (None: keep all)."""
+    async_save: bool = False
+    """Write checkpoints from a background thread while training continues."""
+    resume: str = "never"
+    """"auto": resume from the newest verified checkpoint in checkpoint_dir; "never"."""
+    debug_collectives: bool = False
+    """Check before each collective that every rank issues the same call (slower)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form values for the user's own scripts (not read by shardwise)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _choice("zero_stage", self.zero_stage, (0, 1, 2, 3))
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
+        _choice("resume", self.resume, RESUME)
+        _positive_int("gradient_accumulation_steps", self.gradient_accumulation_steps)
+        _positive_int("reduce_bucket_bytes", self.reduce_bucket_bytes)
+        _positive_int("loss_scale_window", self.loss_scale_window)
+        if self.micro_batch_size is not None:
+            _positive_int("micro_batch_size", self.micro_batch_size)
+        if not isinstance(self.prefetch_units, int) or self.prefetch_units < 0:
+            raise ValueError(f"prefetch_units must be an int >= 0, got {self.prefetch_units!r}")
+        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be an int >= 0, got "
+                             f"{self.checkpoint_every!r}")
+        if self.keep_last is not None:
+            _positive_int("keep_last", self.keep_last)
+        if self.gradient_clipping is not None and not (
+                isinstance(self.gradient_clipping, (int, float)) and self.gradient_clipping > 0):
+            raise ValueError(f"gradient_clipping must be a number > 0 or None, got "
+                             f"{self.gradient_clipping!r}")
+        if self.min_loss_scale <= 0:
+            raise ValueError(f"min_loss_scale must be > 0, got {self.min_loss_scale!r}")
+        for name in ("wrap_policy", "activation_checkpointing"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, str) or
+                                      not all(isinstance(v, str) for v in value)):
+                raise ValueError(f"{name} must be a list of module class names, got {value!r}")
+        if self.resume == "auto" and not self.checkpoint_dir:
+            raise ValueError('resume="auto" needs checkpoint_dir to be set')
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ValueError("checkpoint_every needs checkpoint_dir to be set")
+
+    # ---- construction ----
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Config:
+        """Build from a dict; an unknown key is an error that suggests the closest known key."""
+        known = {f.name for f in fields(cls)}
+        for key in values:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(f"unknown config key {key!r}{hint} Known keys: "
+                                 f"{', '.join(sorted(known))}")
+        return cls(**values)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Config:
+        """Load a .json, .toml or .yaml/.yml file."""
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file {p} does not exist")
+        text = p.read_text()
+        suffix = p.suffix.lower()
+        if suffix == ".json":
+            data = json.loads(text)
+        elif suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            raise ValueError(f"config file {p} must end in .json, .toml, .yaml or .yml")
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {p} must hold a mapping of keys to values")
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> Config:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ---- derived values ----
+
+    def global_batch_size(self, dp_size: int) -> int | None:
+        """Sequences per optimizer step: micro-batch x accumulation x data-parallel size."""
+        if self.micro_batch_size is None:
+            return None
+        return self.micro_batch_size * self.gradient_accumulation_steps * dp_size
+
+    def dump(self, dp_size: int = 1) -> str:
+        """The resolved configuration with derived values, one key per line."""
+        lines = [f"{k} = {v!r}" for k, v in self.to_dict().items()]
+        gb = self.global_batch_size(dp_size)
+        lines.append(f"# dp_size = {dp_size}")
+        if gb is not None:
+            lines.append(f"# global_batch_size = {self.micro_batch_size} x "
+                         f"{self.gradient_accumulation_steps} x {dp_size} = {gb}")
+        return "\n".join(lines)
+
+
+def _choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    if value not in allowed or isinstance(value, bool):
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")

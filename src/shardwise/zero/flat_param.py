@@ -1,0 +1,256 @@
+"""One flat, padded, sharded buffer of parameters and everything ZeRO keeps for it.
+
+A ``FlatParam`` holds a set of parameters laid end to end (see ``partition``). It owns:
+
+- ``full``: the whole flat buffer in the compute dtype; each module parameter's ``.data`` is a
+  view into it for the parameter's lifetime. When parameters are sharded (stage 3) its storage
+  is resized to zero between uses and refilled by an all_gather: autograd's saved references to
+  the parameter views stay valid, since the storage object is the same.
+- ``shard``: this rank's slice (a view of ``full`` when parameters are replicated).
+- ``master``: what the optimizer updates: this rank's slice (stages 1-3) or all of ``full``
+  (stage 0), in fp32; the same memory as the parameters when they are fp32 too.
+- ``opt_params``: one ``nn.Parameter`` per parameter piece inside ``master``, the tensors the
+  optimizer sees, named after the original parameters.
+- gradient buffers: ``grad_full`` (full flat gradients: kept at stages 0-1, transient at 2-3)
+  and ``grad_shard`` (the reduced slice kept between micro-steps at stages 2-3).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardwise import comm
+from shardwise.comm.groups import Group
+from shardwise.zero.partition import (
+    ParamSlot,
+    ShardPiece,
+    layout,
+    padded_numel,
+    pieces_in,
+    shard_range,
+)
+from shardwise.zero.stage import ZeroStage
+
+
+class ParamState(enum.Enum):
+    SHARDED = "sharded"  # only the shard exists; full storage is empty
+    GATHERING = "gathering"  # an all_gather into full is in flight
+    FULL = "full"  # full holds every parameter
+
+
+_LEGAL = {
+    ParamState.SHARDED: {ParamState.GATHERING, ParamState.FULL},
+    ParamState.GATHERING: {ParamState.FULL},
+    ParamState.FULL: {ParamState.SHARDED},
+}
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Dtypes of one training run: parameters/activations, gradient reduction, master copy."""
+
+    param: torch.dtype = torch.float32
+    reduce: torch.dtype = torch.float32
+    master: torch.dtype = torch.float32
+
+
+def _resize_storage(t: torch.Tensor, numel: int) -> None:
+    storage = t.untyped_storage()
+    nbytes = numel * t.element_size()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
+
+
+class FlatParam:
+    """A unit's (or a bucket's) parameters, flattened, padded and sharded over ``group``."""
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], group: Group,
+                 stage: ZeroStage, dtypes: Dtypes, trainable: bool = True) -> None:
+        if not named_params:
+            raise ValueError("a FlatParam needs at least one parameter")
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.group, self.stage, self.dtypes, self.trainable = group, stage, dtypes, trainable
+        self.device = self.params[0].device
+        self.slots, self.numel = layout(self.names, [tuple(p.shape) for p in self.params])
+        n = group.size
+        self.padded = padded_numel(self.numel, n)
+        self.shard_start, self.shard_stop = shard_range(self.padded, n, group.rank)
+        if stage.shard_optimizer:
+            self.opt_start, self.opt_stop = self.shard_start, self.shard_stop
+        else:
+            self.opt_start, self.opt_stop = 0, self.padded
+        self.full = torch.zeros(self.padded, dtype=dtypes.param, device=self.device)
+        # The initial weights at full precision: the master copy starts from these, not from
+        # their rounding to the compute dtype.
+        self._init_master: torch.Tensor | None = None
+        if dtypes.master != dtypes.param and trainable:
+            self._init_master = torch.zeros(self.padded, dtype=dtypes.master, device=self.device)
+        with torch.no_grad():
+            for slot, p in zip(self.slots, self.params):
+                src = p.detach().reshape(-1)
+                self.full[slot.offset: slot.end].copy_(src)
+                if self._init_master is not None:
+                    self._init_master[slot.offset: slot.end].copy_(src)
+                p.data = self.full[slot.offset: slot.end].view(slot.shape)
+        self.state = ParamState.FULL
+        self._gather_handle: comm.Handle | None = None
+        self._gather_src: torch.Tensor | None = None
+        self.shard = self.full[self.shard_start: self.shard_stop]
+        self.master: torch.Tensor = self.full[self.opt_start: self.opt_stop]
+        self.opt_pieces: list[ShardPiece] = []
+        self.opt_params: list[nn.Parameter] = []
+        self.grad_full: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+
+    # ---- set-up after rank 0's weights were broadcast into ``full`` ----
+
+    def broadcast_from(self, src: int) -> None:
+        """Give every rank ``src``'s initial weights. Communicates: one broadcast of the flat
+        buffer at the master dtype when it differs from the compute dtype, else at the compute
+        dtype."""
+        if self._init_master is not None:
+            comm.broadcast(self._init_master, src=src, group=self.group)
+            with torch.no_grad():
+                self.full.copy_(self._init_master)
+        else:
+            comm.broadcast(self.full, src=src, group=self.group)
+
+    def finish_init(self, host: torch.device | None = None) -> None:
+        """Split off the shard, the fp32 master and the optimizer's views; release what this
+        stage does not keep. ``host``: where the master and optimizer live (offload)."""
+        if self.stage.shard_params:
+            self.shard = self.full[self.shard_start: self.shard_stop].clone()
+            self._transition(ParamState.SHARDED)
+            _resize_storage(self.full, 0)
+        base = self.shard if self.stage.shard_optimizer else self.full
+        host = host or self.device
+        if self._init_master is not None:
+            init = self._init_master[self.opt_start: self.opt_stop]
+            self.master = init.to(host, copy=True)
+            self._init_master = None
+        elif host != self.device and self.trainable:
+            self.master = base.detach().to(host, copy=True)
+        else:
+            self.master = base
+        if host.type == "cpu" and self.device.type == "cuda":
+            self.master = self.master.pin_memory()
+        if not self.trainable:
+            return
+        self.opt_pieces = pieces_in(self.slots, self.opt_start, self.opt_stop)
+        self.opt_params = [
+            nn.Parameter(self.master[pc.shard_start: pc.shard_start + pc.numel])
+            for pc in self.opt_pieces
+        ]
+        if not self.stage.shard_grads:
+            self.grad_full = torch.zeros(self.padded, dtype=self.dtypes.param, device=self.device)
+            for slot, p in zip(self.slots, self.params):
+                p.grad = self.grad_full[slot.offset: slot.end].view(slot.shape)
+
+    # ---- parameter lifecycle (stage 3) ----
+
+    def _transition(self, new: ParamState) -> None:
+        assert new in _LEGAL[self.state], f"illegal {self.state} -> {new}"
+        self.state = new
+
+    def gather(self, async_op: bool = False) -> None:
+        """Refill ``full`` from every rank's shard. Communicates: all_gather of the padded
+        flat buffer (payload ``padded * itemsize`` bytes)."""
+        if self.state is not ParamState.SHARDED:
+            if not async_op:
+                self.wait_gather()
+            return
+        _resize_storage(self.full, self.padded)
+        self._gather_src = self.shard
+        self._gather_handle = comm.all_gather(self.shard, group=self.group, out=self.full,
+                                              async_op=True)
+        self._transition(ParamState.GATHERING)
+        if not async_op:
+            self.wait_gather()
+
+    def wait_gather(self) -> None:
+        if self.state is ParamState.GATHERING:
+            assert self._gather_handle is not None
+            self._gather_handle.wait()
+            self._gather_handle = self._gather_src = None
+            self._transition(ParamState.FULL)
+
+    def release(self) -> None:
+        """Free the full parameters (stage 3 only); the shard stays."""
+        if not self.stage.shard_params or self.state is ParamState.SHARDED:
+            return
+        self.wait_gather()
+        self._transition(ParamState.SHARDED)
+        _resize_storage(self.full, 0)
+
+    # ---- after the optimizer step ----
+
+    def publish_master(self) -> comm.Handle | None:
+        """Copy the updated master into the parameters; at stages 1-2 start the all_gather that
+        brings every rank the others' updated slices. Communicates (stages 1-2): all_gather of
+        the padded flat buffer."""
+        target = self.shard if self.stage.shard_optimizer else self.full
+        if target.data_ptr() != self.master.data_ptr():
+            with torch.no_grad():
+                target.copy_(self.master, non_blocking=True)
+        if not self.stage.gather_after_step:
+            return None
+        # a copy: the input must not alias the output on every backend
+        return comm.all_gather(self.shard.clone(), group=self.group, out=self.full,
+                               async_op=True)
+
+    # ---- checkpoints and state dicts ----
+
+    def optimizer_grad(self) -> torch.Tensor:
+        """The reduced gradients of the optimizer's range, at the master dtype and on the
+        master's device (a view when no conversion is needed)."""
+        if self.stage.shard_grads:
+            src = self.grad_shard
+            if src is None:  # no backward reached this buffer: zero gradients
+                src = torch.zeros(self.opt_stop - self.opt_start, dtype=self.dtypes.reduce,
+                                  device=self.device)
+        else:
+            assert self.grad_full is not None
+            src = self.grad_full[self.opt_start: self.opt_stop]
+        return src.to(device=self.master.device, dtype=self.master.dtype)
+
+    def full_master(self) -> torch.Tensor:
+        """Every parameter of this buffer at master precision, padded flat. Communicates
+        (optimizer sharded): all_gather of the master slices."""
+        if not self.stage.shard_optimizer:
+            return self.master.detach().clone()
+        src = self.master.to(self.device)
+        out = torch.empty(self.padded, dtype=src.dtype, device=self.device)
+        comm.all_gather(src.contiguous(), group=self.group, out=out)
+        return out
+
+    def load_param(self, slot: ParamSlot, value: torch.Tensor) -> None:
+        """Write one whole parameter's value into every copy this rank keeps of it."""
+        flat = value.detach().reshape(-1)
+        with torch.no_grad():
+            if self.full.untyped_storage().size() > 0:
+                self.full[slot.offset: slot.end].copy_(flat)
+            for start, stop, target in ((self.shard_start, self.shard_stop, self.shard),
+                                        (self.opt_start, self.opt_stop, self.master)):
+                lo, hi = max(slot.offset, start), min(slot.end, stop)
+                if lo < hi:
+                    target[lo - start: hi - start].copy_(flat[lo - slot.offset: hi - slot.offset])
+
+    def memory(self) -> dict[str, int]:
+        """Bytes held now, counted from the tensors that exist (storage sizes)."""
+        def nbytes(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.untyped_storage().nbytes()
+
+        params = nbytes(self.full)
+        if self.shard.untyped_storage().data_ptr() != self.full.untyped_storage().data_ptr():
+            params += nbytes(self.shard)
+        grads = nbytes(self.grad_full) + nbytes(self.grad_shard)
+        master = 0
+        if self.master.untyped_storage().data_ptr() not in (
+                self.full.untyped_storage().data_ptr(), self.shard.untyped_storage().data_ptr()):
+            master = nbytes(self.master)
+        return {"params": params, "grads": grads, "master": master}

@@ -1,0 +1,149 @@
+"""Gradient reduction, launched from backward hooks so it overlaps the rest of backward.
+
+Each trainable parameter gets a post-accumulate-grad hook. When every parameter of a flat
+buffer has its gradient for this backward, the buffer's reduction starts asynchronously:
+
+- stage 0: all_reduce (average) of the full flat gradients, in place;
+- stage 1: reduce_scatter (average) into this rank's slice of the same buffer;
+- stages 2-3: reduce_scatter into a temporary slice that is added to the kept ``grad_shard``;
+  the full gradient buffer is freed as soon as its reduction completes.
+
+Reductions start strictly in buffer order, identical on every rank, so collectives match even if
+hooks fire in a different order somewhere. Stages 0-1 only reduce on the last micro-step of an
+accumulation window (ZeRO paper, section 5.2); stages 2-3 reduce every micro-step because they do
+not keep full gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardwise import comm
+from shardwise.zero.flat_param import FlatParam
+from shardwise.zero.partition import ParamSlot
+
+MAX_IN_FLIGHT = 2  # reductions in flight at stages 2-3: bounds transient gradient memory
+
+
+@dataclass
+class _Pending:
+    flat: FlatParam
+    handle: comm.Handle
+    scratch: torch.Tensor | None  # reduced slice to add into grad_shard
+    buf: torch.Tensor  # what was reduced: grad_full, or its copy at the reduce dtype
+
+
+class GradReducer:
+    """Owns gradient hooks and reductions for ``flats`` (given in launch order)."""
+
+    def __init__(self, flats: list[FlatParam],
+                 on_reduced: Callable[[FlatParam], None] | None = None) -> None:
+        self.flats = [f for f in flats if f.trainable]
+        self.on_reduced = on_reduced
+        self._slot: dict[int, tuple[int, ParamSlot]] = {}
+        self._handles = []
+        for i, f in enumerate(self.flats):
+            for slot, p in zip(f.slots, f.params):
+                self._slot[id(p)] = (i, slot)
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._ready: list[set[str]] = [set() for _ in self.flats]
+        self._next = 0
+        self._pending: list[_Pending] = []
+        self.reduce_now = False
+
+    # ---- one backward pass ----
+
+    def begin(self, reduce_now: bool) -> None:
+        """Called before backward; ``reduce_now`` is False on micro-steps that only accumulate."""
+        self.reduce_now = reduce_now
+        self._ready = [set() for _ in self.flats]
+        self._next = 0
+
+    def _grad_view(self, f: FlatParam, slot: ParamSlot) -> torch.Tensor:
+        if f.grad_full is None:  # stages 2-3: allocated when the buffer's first gradient lands
+            f.grad_full = torch.zeros(f.padded, dtype=f.dtypes.param, device=f.device)
+        return f.grad_full[slot.offset: slot.end].view(slot.shape)
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        i, slot = self._slot[id(p)]
+        f = self.flats[i]
+        view = self._grad_view(f, slot)
+        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+            view.add_(p.grad)  # the grad was not written into our buffer: fold it in
+        p.grad = None if f.stage.shard_grads else view
+        self._ready[i].add(slot.name)
+        if self.reduce_now:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.flats) and \
+                len(self._ready[self._next]) == len(self.flats[self._next].slots):
+            self._launch(self.flats[self._next])
+            self._next += 1
+
+    def _launch(self, f: FlatParam) -> None:
+        if f.grad_full is None:  # no parameter of this buffer got a gradient this pass
+            f.grad_full = torch.zeros(f.padded, dtype=f.dtypes.param, device=f.device)
+        # reduce at reduce_dtype (fp32 by default) so small gradients survive the sum
+        buf = f.grad_full if f.grad_full.dtype == f.dtypes.reduce else \
+            f.grad_full.to(f.dtypes.reduce)
+        scratch = None
+        if not f.stage.shard_optimizer:
+            handle = comm.all_reduce(buf, op="avg", group=f.group, async_op=True)
+        elif not f.stage.shard_grads:
+            handle = comm.reduce_scatter(buf, op="avg", group=f.group,
+                                         out=buf[f.shard_start: f.shard_stop], async_op=True,
+                                         inplace_ok=True)
+        else:
+            scratch = torch.empty(f.shard_stop - f.shard_start, dtype=f.dtypes.reduce,
+                                  device=f.device)
+            handle = comm.reduce_scatter(buf, op="avg", group=f.group, out=scratch,
+                                         async_op=True, inplace_ok=True)
+        self._pending.append(_Pending(f, handle, scratch, buf))
+        while f.stage.shard_grads and len(self._pending) > MAX_IN_FLIGHT:
+            self._complete(self._pending.pop(0))
+
+    def _complete(self, item: _Pending) -> None:
+        item.handle.wait()
+        f = item.flat
+        if item.scratch is not None:
+            if f.grad_shard is None:
+                f.grad_shard = item.scratch
+            else:
+                f.grad_shard.add_(item.scratch)
+            f.grad_full = None  # the full gradients of this buffer are no longer needed
+        elif item.buf is not f.grad_full:  # reduced in another dtype: store it back
+            assert f.grad_full is not None
+            lo, hi = (f.shard_start, f.shard_stop) if f.stage.shard_optimizer else (0, f.padded)
+            f.grad_full[lo:hi].copy_(item.buf[lo:hi])
+        if self.on_reduced is not None:
+            self.on_reduced(f)
+
+    def finish(self) -> None:
+        """After backward: start what has not started (buffers with unused parameters) and
+        wait for every reduction."""
+        if self.reduce_now:
+            while self._next < len(self.flats):
+                self._launch(self.flats[self._next])
+                self._next += 1
+        while self._pending:
+            self._complete(self._pending.pop(0))
+
+    def comm_bytes(self) -> int:
+        """Bytes of scratch buffers held by reductions in flight."""
+        total = 0
+        for p in self._pending:
+            if p.scratch is not None:
+                total += p.scratch.untyped_storage().nbytes()
+            if p.buf is not p.flat.grad_full:
+                total += p.buf.untyped_storage().nbytes()
+        return total
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
