@@ -340,6 +340,8 @@ class Engine:
                                              "comm")) - out["host"]
         return out
 
+    # ---- checkpoints (see shardwise.checkpoint.engine_state) ----
+
 
 def initialize(model: nn.Module, optimizer: zero_opt.OptimizerLike,
                config: Config | dict[str, Any] | None = None, *,
