@@ -31,6 +31,7 @@ from shardwise.dist import (
 from shardwise.engine import Engine, initialize
 from shardwise.mesh import Mesh
 from shardwise.recompute import checkpoint, checkpoint_sequential
+from shardwise.zero.wrap import ZeroOptimizer, zero_wrap
 
 __version__ = "0.1.0"
 
@@ -43,6 +44,7 @@ __all__ = [
     "Engine",
     "Group",
     "Mesh",
+    "ZeroOptimizer",
     "__version__",
     "all_gather",
     "all_gather_list",
@@ -65,4 +67,5 @@ __all__ = [
     "shutdown",
     "split",
     "world_size",
+    "zero_wrap",
 ]

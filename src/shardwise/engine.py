@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import random
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +30,7 @@ from shardwise.zero.param_schedule import ParamSchedule
 from shardwise.zero.partition import ParamSlot
 from shardwise.zero.reducer import GradReducer
 from shardwise.zero.stage import ZeroStage
+from shardwise.zero.step import sharded_step, zero_grads
 from shardwise.zero.units import buckets, split_trainable, units
 
 log = logging.getLogger("shardwise")
@@ -210,73 +210,33 @@ class Engine:
                 self._schedule.finish_backward(self.flats)
         self.micro_step += 1
 
-    def _global_sumsq(self, grads: list[torch.Tensor]) -> float:
-        """Sum of squares of all gradients. Communicates (optimizer sharded): one all_reduce
-        of one fp32 value."""
-        local = torch.zeros((), dtype=torch.float32, device=self.host)
-        for g in grads:
-            local += g.float().pow(2).sum()
-        if self.stage.shard_optimizer and self.group.size > 1:
-            t = local.to(self.device).reshape(1)
-            comm.all_reduce(t, op="sum", group=self.group)
-            local = t[0]
-        return float(local)
-
     def step(self) -> bool:
         """Optimizer step at the end of an accumulation window (a no-op otherwise).
 
         Clips to ``gradient_clipping``, skips the step on fp16 overflow (on every rank), steps
         the learning-rate scheduler, publishes the new parameters (stages 1-2 all_gather them).
-        Returns True if the parameters were updated.
+        Returns True if the parameters were updated. Communicates: see ``zero.step``.
         """
-        if self.micro_step % self.config.gradient_accumulation_steps != 0 or self.micro_step == 0:
+        accum = self.config.gradient_accumulation_steps
+        if self.micro_step == 0 or self.micro_step % accum != 0:
             return False
-        trainable = [f for f in self.flats if f.trainable]
-        grads = [f.optimizer_grad() for f in trainable]
-        scale = self.scaler.scale
-        sumsq = self._global_sumsq(grads)
-        overflow = not math.isfinite(sumsq)
-        updated = False
-        if self.scaler.update(overflow):
-            self.skipped_steps += 1
-            self.grad_norm = float("inf")
-            log.warning("rank %d: step %d skipped: gradient overflow; loss scale now %g",
-                        self.group.ranks[self.group.rank], self.global_step, self.scaler.scale)
-        else:
-            norm = math.sqrt(sumsq) / scale
-            self.grad_norm = norm
-            coef = 1.0 / scale
-            if self.config.gradient_clipping is not None:
-                coef *= min(1.0, self.config.gradient_clipping / (norm + 1e-6))
-            for f, g in zip(trainable, grads):
-                if coef != 1.0:
-                    g.mul_(coef)
-                for pc, op in zip(f.opt_pieces, f.opt_params):
-                    op.grad = g[pc.shard_start: pc.shard_start + pc.numel]
-            self.optimizer.step()
+        result = sharded_step(self.flats, self.optimizer, self.scaler,
+                              self.config.gradient_clipping)
+        self.grad_norm = result.grad_norm
+        if result.updated:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-            handles = [f.publish_master() for f in trainable]
-            for h in handles:
-                if h is not None:
-                    h.wait()
-            updated = True
             self.global_step += 1
+        else:
+            self.skipped_steps += 1
+            log.warning("rank %d: step %d skipped: gradient overflow; loss scale now %g",
+                        self.group.ranks[self.group.rank], self.global_step, self.scaler.scale)
         self.zero_grad()
-        return updated
+        return result.updated
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (kept gradient buffers are zeroed in place)."""
-        for f in self.flats:
-            f.grad_shard = None
-            for op in f.opt_params:
-                op.grad = None
-            if self.stage.shard_grads or f.grad_full is None:
-                f.grad_full = None
-                continue
-            f.grad_full.zero_()
-            for slot, p in zip(f.slots, f.params):  # re-attach, in case someone dropped them
-                p.grad = f.grad_full[slot.offset: slot.end].view(slot.shape)
+        zero_grads(self.flats)
 
     # ---- state ----
 

@@ -133,6 +133,13 @@ class GradReducer:
         while self._pending:
             self._complete(self._pending.pop(0))
 
+    def reduce_all(self) -> None:
+        """Reduce every buffer now (for gradients accumulated outside an engine backward)."""
+        self.reduce_now = True
+        self._next = 0
+        self.finish()
+        self.reduce_now = False
+
     def comm_bytes(self) -> int:
         """Bytes of scratch buffers held by reductions in flight."""
         total = 0
