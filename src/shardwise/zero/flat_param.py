@@ -106,6 +106,7 @@ class FlatParam:
         self.opt_params: list[nn.Parameter] = []
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
+        self.grad_host: torch.Tensor | None = None  # offload: grad_shard's copy in host memory
 
     # ---- set-up after rank 0's weights were broadcast into ``full`` ----
 
@@ -208,6 +209,9 @@ class FlatParam:
     def optimizer_grad(self) -> torch.Tensor:
         """The reduced gradients of the optimizer's range, at the master dtype and on the
         master's device (a view when no conversion is needed)."""
+        if self.grad_host is not None:  # offload: copied to host when its reduction finished
+            src, self.grad_host = self.grad_host, None
+            return src.to(dtype=self.master.dtype)
         if self.stage.shard_grads:
             src = self.grad_shard
             if src is None:  # no backward reached this buffer: zero gradients
@@ -248,7 +252,7 @@ class FlatParam:
         params = nbytes(self.full)
         if self.shard.untyped_storage().data_ptr() != self.full.untyped_storage().data_ptr():
             params += nbytes(self.shard)
-        grads = nbytes(self.grad_full) + nbytes(self.grad_shard)
+        grads = nbytes(self.grad_full) + nbytes(self.grad_shard) + nbytes(self.grad_host)
         master = 0
         if self.master.untyped_storage().data_ptr() not in (
                 self.full.untyped_storage().data_ptr(), self.shard.untyped_storage().data_ptr()):

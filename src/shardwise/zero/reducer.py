@@ -54,12 +54,15 @@ class GradReducer:
         self._next = 0
         self._pending: list[_Pending] = []
         self.reduce_now = False
+        self.reduce_last = True
 
     # ---- one backward pass ----
 
-    def begin(self, reduce_now: bool) -> None:
-        """Called before backward; ``reduce_now`` is False on micro-steps that only accumulate."""
+    def begin(self, reduce_now: bool, last: bool = True) -> None:
+        """Called before backward; ``reduce_now`` is False on micro-steps that only accumulate,
+        ``last`` is True on the micro-step that ends the accumulation window."""
         self.reduce_now = reduce_now
+        self.reduce_last = last
         self._ready = [set() for _ in self.flats]
         self._next = 0
 
@@ -116,6 +119,9 @@ class GradReducer:
             else:
                 f.grad_shard.add_(item.scratch)
             f.grad_full = None  # the full gradients of this buffer are no longer needed
+            if f.master.device != f.device and self.reduce_last:
+                # offload: start the copy to host now, overlapping the rest of backward
+                f.grad_host = f.grad_shard.to(f.master.device, non_blocking=True)
         elif item.buf is not f.grad_full:  # reduced in another dtype: store it back
             assert f.grad_full is not None
             lo, hi = (f.shard_start, f.shard_stop) if f.stage.shard_optimizer else (0, f.padded)

@@ -69,7 +69,7 @@ def zero_grads(flats: list[FlatParam]) -> None:
     """Drop accumulated gradients; kept full-gradient buffers (stages 0-1) are zeroed in place
     and re-attached to the parameters."""
     for f in flats:
-        f.grad_shard = None
+        f.grad_shard = f.grad_host = None
         for op in f.opt_params:
             op.grad = None
         if f.stage.shard_grads or f.grad_full is None:
