@@ -8,6 +8,7 @@ import zero_cases as zc
 from torch import nn
 
 import shardwise
+from shardwise.precision import resolve_precision
 from shardwise.testing import run_on_ranks
 
 
@@ -103,6 +104,12 @@ def test_bad_input_at_initialize():
     with pytest.raises(ValueError, match="wrap policy names module classes"):
         shardwise.initialize(zc.make_gpt(), lambda ps: torch.optim.SGD(ps, lr=0.1),
                              shardwise.Config(zero_stage=3, wrap_policy=["Nope"]))
+    with pytest.raises(ValueError, match="no submodule of the model is a 'Nope'"):
+        shardwise.initialize(zc.make_gpt(), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                             shardwise.Config(activation_checkpointing=["Nope"]))
+    if not torch.cuda.is_available():  # fp16 asked for where it cannot run
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_precision("fp16", None, torch.device("cuda"))
     with pytest.raises(TypeError, match="pass lr_scheduler as a callable"):
         m = zc.make_gpt()
         o = torch.optim.SGD(m.parameters(), lr=0.1)
