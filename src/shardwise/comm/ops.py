@@ -206,15 +206,19 @@ def chunk_sizes(n: int, parts: int) -> list[int]:
     return [q + 1 if i < r else q for i in range(parts)]
 
 
+P2P_TAG = 0x5357  # gloo slot for the point-to-point reduce_scatter (apart from user send/recv)
+
+
 def reduce_scatter(t: torch.Tensor, op: str = "sum", group: GroupLike = None,
                    async_op: bool = False, out: torch.Tensor | None = None,
                    inplace_ok: bool = False) -> torch.Tensor | Handle:
     """Reduce ``t`` across the group and return this rank's chunk of dim 0 (chunks as
     ``torch.tensor_split``: sizes need not divide).
 
-    On gloo, whose reduce_scatter runs a full all_reduce internally and is slower than
-    all_reduce itself, this is an all_reduce followed by taking the chunk; ``inplace_ok=True``
-    lets it reduce ``t`` in place instead of a copy (the caller no longer needs ``t``).
+    On gloo, whose reduce_scatter runs a full all_reduce internally, each rank sends every other
+    rank the chunk that rank owns and sums what it receives (in group-rank order): (N-1)/N of the
+    tensor leaves each rank, half of what an all_reduce moves. ``inplace_ok=True`` is accepted
+    for callers that no longer need ``t`` (``out`` may then alias this rank's chunk of ``t``).
     Communicates: reduce_scatter (payload: the unreduced input's bytes).
     """
     g = resolve(group)
@@ -224,47 +228,71 @@ def reduce_scatter(t: torch.Tensor, op: str = "sum", group: GroupLike = None,
         raise TypeError(f"reduce_scatter: op 'avg' needs a floating dtype, got {t.dtype}")
     src = t.reshape(-1) if t.dim() == 0 else t
     sizes = chunk_sizes(src.shape[0], g.size)
+    offsets = [sum(sizes[:i]) for i in range(g.size)]
     mine, rest = sizes[g.rank], src.shape[1:]
-    begin = sum(sizes[: g.rank])
     if out is None:
         out = torch.empty((mine, *rest), dtype=t.dtype, device=t.device)
     elif tuple(out.shape) != (mine, *rest) or out.dtype != t.dtype:
         raise ValueError(f"reduce_scatter: out must have shape {(mine, *rest)} and dtype "
                          f"{t.dtype}, got {tuple(out.shape)} {out.dtype}")
-    via_all_reduce = g.size > 1 and dist.get_backend(g.pg) == "gloo"
+    chunks = [src[offsets[i]: offsets[i] + sizes[i]] for i in range(g.size)]
+    if g.size > 1 and dist.get_backend(g.pg) == "gloo":
+        return _reduce_scatter_p2p(g, op, chunks, out, async_op, src)
     even = len(set(sizes)) == 1 and not g.permuted
-    if via_all_reduce:
-        staged = src if inplace_ok else src.clone()
-        recv = staged
-    elif even:
+    if even:
         staged, recv = src, out
     else:  # lay chunk i into slot torch_position(i) of a padded buffer, zero elsewhere
         width = sizes[0]
         staged = src.new_zeros((g.size * width, *rest))
-        offsets = [sum(sizes[:i]) for i in range(g.size)]
         for i in range(g.size):
             p = g.torch_position(i)
-            staged[p * width: p * width + sizes[i]].copy_(src[offsets[i]: offsets[i] + sizes[i]])
+            staged[p * width: p * width + sizes[i]].copy_(chunks[i])
         recv = src.new_empty((width, *rest))
 
     def issue() -> list[Any]:
-        if via_all_reduce:
-            return [dist.all_reduce(staged, rop, group=g.pg, async_op=True)]
         return [_reduce_scatter_single(recv, staged, op=rop, group=g.pg, async_op=True)]
 
     def finish() -> torch.Tensor:
         if g.size == 1:
             if out.data_ptr() != src.data_ptr():
                 out.copy_(src)
-        elif via_all_reduce:
-            chunk = recv[begin: begin + mine]
-            if out.data_ptr() != chunk.data_ptr():
-                out.copy_(chunk)
         elif recv is not out:
             out.copy_(recv[:mine])
         return _finish_avg(out, op, g.size)()
 
     return _launch("reduce_scatter", g, [t], _nbytes(t), issue, finish, async_op,
+                   f"op={op}, ")
+
+
+def _reduce_scatter_p2p(g: Group, op: str, chunks: list[torch.Tensor], out: torch.Tensor,
+                        async_op: bool, src: torch.Tensor) -> torch.Tensor | Handle:
+    """reduce_scatter on gloo from isend/irecv: chunk j goes to group rank j."""
+    me = g.rank
+    received = {j: torch.empty_like(chunks[me]) for j in range(g.size) if j != me}
+
+    def issue() -> list[Any]:
+        works = []
+        for j in range(g.size):
+            if j != me:
+                works.append(dist.isend(chunks[j], g.ranks[j], group=g.pg, tag=P2P_TAG))
+                works.append(dist.irecv(received[j], g.ranks[j], group=g.pg, tag=P2P_TAG))
+        return works
+
+    def finish() -> torch.Tensor:
+        parts = [chunks[me] if j == me else received[j] for j in range(g.size)]
+        if op in ("sum", "avg"):
+            total = parts[0] + parts[1]
+            for p in parts[2:]:
+                total.add_(p)
+        else:
+            reduce = torch.maximum if op == "max" else torch.minimum
+            total = reduce(parts[0], parts[1])
+            for p in parts[2:]:
+                total = reduce(total, p)
+        out.copy_(total)
+        return _finish_avg(out, op, g.size)()
+
+    return _launch("reduce_scatter", g, [src], _nbytes(src), issue, finish, async_op,
                    f"op={op}, ")
 
 
