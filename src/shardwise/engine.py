@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -315,19 +316,15 @@ class Engine:
     _ckpt_writer: Any = None  # AsyncCheckpointWriter, made on the first async save
     _last_saved_step: int | None = None
 
-    # Paths are typed Any here: accepts str or os.PathLike, returns pathlib.Path.
-
-    def _checkpoint_root(self, path: Any) -> Any:
-        from pathlib import Path
-
+    def _checkpoint_root(self, path: str | Path | None) -> Path:
         root = path if path is not None else self.config.checkpoint_dir
         if root is None:
             raise ValueError("no checkpoint directory: pass path= or set "
                              "Config(checkpoint_dir=...)")
         return Path(root)
 
-    def save(self, path: Any = None, *, sampler: Any = None,
-             extra: dict[str, Any] | None = None) -> Any:
+    def save(self, path: str | Path | None = None, *, sampler: Any = None,
+             extra: dict[str, Any] | None = None) -> Path:
         """Save a sharded checkpoint of step ``global_step``; call on every rank.
 
         Args:
@@ -355,7 +352,7 @@ class Engine:
         self._last_saved_step = self.global_step
         return out
 
-    def maybe_save(self, *, sampler: Any = None) -> Any:
+    def maybe_save(self, *, sampler: Any = None) -> Path | None:
         """Save when ``global_step`` is a positive multiple of ``config.checkpoint_every`` and
         was not saved yet (call it after every ``step()``, on every rank); else do nothing.
         Returns the checkpoint's path, or None."""
@@ -365,7 +362,7 @@ class Engine:
             return None
         return self.save(sampler=sampler)
 
-    def load(self, path: Any = "latest", *, sampler: Any = None) -> dict[str, Any]:
+    def load(self, path: str | Path = "latest", *, sampler: Any = None) -> dict[str, Any]:
         """Load a checkpoint into this engine (any world size, stage or precision may have
         written it); call on every rank. ``path``: ``"latest"`` (newest committed in
         ``config.checkpoint_dir``), a checkpoint root, or a ``step-N`` directory. Verifies every
@@ -393,14 +390,14 @@ class Engine:
             self._last_saved_step = self.global_step
         return state
 
-    def wait_for_checkpoint(self) -> Any:
+    def wait_for_checkpoint(self) -> Path | None:
         """Block until the pending background save is committed (raising its error); returns
         the last committed path of the async writer (None if it never saved)."""
         if self._ckpt_writer is None:
             return None
         return self._ckpt_writer.wait()
 
-    def load_full_state(self, path_or_state_dict: Any) -> None:
+    def load_full_state(self, path_or_state_dict: str | Path | dict[str, torch.Tensor]) -> None:
         """Start from full model weights: a state dict, a ``.safetensors`` file (e.g. from
         ``shardwise checkpoint export``), a ``torch.save`` file or a checkpoint directory; call
         on every rank right after ``initialize``. Optimizer states are untouched (empty).

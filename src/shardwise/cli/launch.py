@@ -60,9 +60,15 @@ def torchrun_argv(args: argparse.Namespace, target: list[str]) -> list[str]:
 
 def launch(args: argparse.Namespace, target: list[str]) -> int:
     """Run the elastic launcher in this process; returns its exit code."""
+    import os
+
     from torch.distributed import run as torch_run
 
     argv = torchrun_argv(args, target)
+    if args.max_restarts > 0:
+        # restarted ranks must not reuse the first attempt's rendezvous store address, which
+        # belonged to a rank that is gone
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     parsed = torch_run.parse_args(argv)
     try:
         torch_run.run(parsed)

@@ -1,0 +1,253 @@
+"""The engine's logical tensors in a checkpoint, and which flat ranges of them this rank holds.
+
+Names the manifest uses (one logical tensor each, full shape = the parameter's or buffer's):
+
+- ``model/<param>``: fp32 master values, whatever the compute dtype;
+- ``optim/<param>/<key>``: element-wise optimizer states (``exp_avg``, ``momentum_buffer``...);
+- ``buffer/<name>``: persistent buffers, floating ones in fp32.
+
+Parameters go by their first name in ``module.named_parameters()``; a tied parameter's other
+names (state-dict aliases) are kept in the trainer state, not stored twice.
+
+Who writes what: a flat buffer's ``[shard_start, shard_stop)`` is this rank's to write. At stages
+1-3 the master holds exactly that range; at stage 0 every rank holds the whole flat, and writing
+only that part shares the write bandwidth over the ranks. Parameters outside flat buffers
+(frozen ones at stages 0-2, replicated) are split evenly over the ranks. Buffers: rank 0.
+
+Who reads what: each rank reads exactly the ranges its master and optimizer pieces cover now
+(``read_range``), whatever world size or stage wrote them, so a checkpoint loads at any world
+size. Nothing here communicates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from shardwise.checkpoint.reader import CheckpointReader
+from shardwise.checkpoint.shardfile import dtype_from_name, dtype_name
+from shardwise.checkpoint.shards import ShardEntry
+from shardwise.zero.flat_param import FlatParam
+from shardwise.zero.partition import ShardPiece, pieces_in
+
+if TYPE_CHECKING:
+    from shardwise.engine import Engine
+
+MODEL_PREFIX = "model/"
+OPTIM_PREFIX = "optim/"
+BUFFER_PREFIX = "buffer/"
+
+ScalarStates = dict[str, dict[str, dict[str, Any]]]
+"""param name -> state key -> ``{"value": number, "dtype": name or None}``."""
+
+
+def model_key(name: str) -> str:
+    return f"{MODEL_PREFIX}{name}"
+
+
+def optim_key(name: str, key: str) -> str:
+    return f"{OPTIM_PREFIX}{name}/{key}"
+
+
+def buffer_key(name: str) -> str:
+    return f"{BUFFER_PREFIX}{name}"
+
+
+@dataclass(frozen=True)
+class ModelNames:
+    """How the module's state-dict keys map onto the stored logical tensors."""
+
+    params: dict[int, str]  # id(parameter) -> its canonical name
+    buffers: dict[str, torch.Tensor]  # canonical buffer name -> buffer
+    aliases: dict[str, str]  # other state-dict key -> canonical name of the same tensor
+
+    @classmethod
+    def of(cls, module: nn.Module) -> ModelNames:
+        params = {id(p): name for name, p in module.named_parameters()}
+        seen = dict(params)
+        buffers: dict[str, torch.Tensor] = {}
+        aliases: dict[str, str] = {}
+        for key, value in module.state_dict(keep_vars=True).items():
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"state-dict entry {key!r} is not a tensor (extra state); "
+                                 f"engine checkpoints store tensors only")
+            first = seen.setdefault(id(value), key)
+            if first != key:
+                aliases[key] = first
+            elif id(value) not in params:
+                buffers[key] = value
+        return cls(params, buffers, aliases)
+
+
+def even_range(numel: int, parts: int, index: int) -> tuple[int, int]:
+    """Part ``index`` of ``[0, numel)`` cut into ``parts`` near-equal contiguous ranges."""
+    return numel * index // parts, numel * (index + 1) // parts
+
+
+def _slot_names(flat: FlatParam, names: ModelNames) -> dict[int, str]:
+    """slot offset -> canonical parameter name, for one flat buffer."""
+    return {s.offset: names.params[id(p)] for s, p in zip(flat.slots, flat.params)}
+
+
+def _opt_of(flat: FlatParam) -> dict[int, tuple[ShardPiece, nn.Parameter]]:
+    """slot offset -> (optimizer piece, optimizer parameter): at most one per slot."""
+    return {pc.slot.offset: (pc, op) for pc, op in zip(flat.opt_pieces, flat.opt_params)}
+
+
+def _scalar(name: str, key: str, value: Any) -> dict[str, Any]:
+    if isinstance(value, torch.Tensor):
+        return {"value": value.item(), "dtype": dtype_name(value.dtype)}
+    if value is None or isinstance(value, (bool, int, float)):
+        return {"value": value, "dtype": None}
+    raise ValueError(f"optimizer state {key!r} of {name!r} is a {type(value).__name__}; "
+                     f"engine checkpoints store tensors and numbers only")
+
+
+def _split_state(name: str, op: nn.Parameter, state: dict[str, Any]
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """(element-wise states, scalar states) of one optimizer parameter."""
+    tensors, scalars = {}, {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            if value.shape != op.shape:
+                raise ValueError(f"optimizer state {key!r} of {name!r} has shape "
+                                 f"{tuple(value.shape)}, not the parameter piece's "
+                                 f"{tuple(op.shape)}: the optimizer is not element-wise")
+            tensors[key] = value.detach()
+        else:
+            scalars[key] = _scalar(name, key, value)
+    return tensors, scalars
+
+
+def flat_entries(engine: Engine, names: ModelNames
+                 ) -> tuple[list[ShardEntry], ScalarStates]:
+    """This rank's pieces of ``model/`` and ``optim/`` from the flat buffers, and the scalar
+    optimizer states of every parameter piece it holds."""
+    entries: list[ShardEntry] = []
+    scalars: ScalarStates = {}
+    for f in engine.flats:
+        slot_name, opt_of = _slot_names(f, names), _opt_of(f)
+        for pc, op in opt_of.values():
+            name = slot_name[pc.slot.offset]
+            _, found = _split_state(name, op, engine.optimizer.state.get(op, {}))
+            if found:
+                scalars[name] = found
+        for wp in pieces_in(f.slots, f.shard_start, f.shard_stop):
+            name, shape = slot_name[wp.slot.offset], wp.slot.shape
+            lo = wp.slot.offset + wp.param_start - f.opt_start
+            values = f.master[lo: lo + wp.numel].detach()
+            entries.append(ShardEntry(model_key(name), shape, wp.param_start, values.float()))
+            if wp.slot.offset not in opt_of:
+                continue
+            pc, op = opt_of[wp.slot.offset]
+            states, _ = _split_state(name, op, engine.optimizer.state.get(op, {}))
+            a, b = wp.param_start - pc.param_start, wp.param_stop - pc.param_start
+            for key, value in states.items():
+                entries.append(ShardEntry(optim_key(name, key), shape, wp.param_start,
+                                          value[a:b]))
+    return entries, scalars
+
+
+def outside_params(engine: Engine) -> Iterator[tuple[str, nn.Parameter]]:
+    """Parameters that live outside flat buffers (frozen ones at stages 0-2), by name."""
+    inside = {id(p) for f in engine.flats for p in f.params}
+    for name, p in engine.module.named_parameters():
+        if id(p) not in inside:
+            yield name, p
+
+
+def replicated_entries(engine: Engine, names: ModelNames) -> list[ShardEntry]:
+    """This rank's part of each parameter outside flat buffers (an even split over the ranks)
+    and, on rank 0, every buffer whole."""
+    n, r = engine.group.size, engine.group.rank
+    entries = []
+    for name, p in outside_params(engine):
+        lo, hi = even_range(p.numel(), n, r)
+        flat = p.detach().reshape(-1)[lo:hi]
+        entries.append(ShardEntry(model_key(name), tuple(p.shape), lo,
+                                  flat.float() if flat.is_floating_point() else flat))
+    if r == 0:
+        for name, b in names.buffers.items():
+            flat = b.detach().reshape(-1)
+            entries.append(ShardEntry(buffer_key(name), tuple(b.shape), 0,
+                                      flat.float() if flat.is_floating_point() else flat))
+    return entries
+
+
+def check_model_matches(reader: CheckpointReader, engine: Engine, names: ModelNames) -> None:
+    """Every parameter and buffer is stored with its shape, and nothing else is; else
+    ValueError naming the first differences."""
+    expected = {model_key(n): tuple(p.shape) for n, p in engine.module.named_parameters()}
+    expected.update({buffer_key(n): tuple(b.shape) for n, b in names.buffers.items()})
+    stored = {n: reader.full_shape(n) for n in reader.names()
+              if n.startswith((MODEL_PREFIX, BUFFER_PREFIX))}
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
+    shapes = [f"{n} {stored[n]} (model: {expected[n]})" for n in sorted(expected)
+              if n in stored and stored[n] != expected[n]]
+    if missing or unexpected or shapes:
+        raise ValueError(f"checkpoint {reader.path} does not fit this model: missing "
+                         f"{missing[:5]}, unexpected {unexpected[:5]}, other shapes "
+                         f"{shapes[:5]}; build the model the checkpoint was saved from")
+
+
+def _optim_keys(reader: CheckpointReader) -> dict[str, list[str]]:
+    """param name -> stored element-wise state keys."""
+    out: dict[str, list[str]] = {}
+    for n in reader.names():
+        if n.startswith(OPTIM_PREFIX):
+            param, key = n[len(OPTIM_PREFIX):].rsplit("/", 1)
+            out.setdefault(param, []).append(key)
+    return out
+
+
+def _scalar_tensor(spec: dict[str, Any], device: torch.device) -> Any:
+    if spec.get("dtype") is None:
+        return spec["value"]
+    return torch.tensor(spec["value"], dtype=dtype_from_name(spec["dtype"]), device=device)
+
+
+def _group_of(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+    return {id(p): g for g in optimizer.param_groups for p in g["params"]}
+
+
+def load_flats(engine: Engine, reader: CheckpointReader, names: ModelNames,
+               scalars: ScalarStates) -> None:
+    """Fill every master range and optimizer piece this rank holds from ``reader``.
+
+    The parameters themselves are refreshed afterwards by ``publish_master``."""
+    optim_keys, group_of = _optim_keys(reader), _group_of(engine.optimizer)
+    for f in engine.flats:
+        slot_name = _slot_names(f, names)
+        with torch.no_grad():
+            for pc in pieces_in(f.slots, f.opt_start, f.opt_stop):
+                values = reader.read_range(model_key(slot_name[pc.slot.offset]),
+                                           pc.param_start, pc.param_stop)
+                f.master[pc.shard_start: pc.shard_start + pc.numel].copy_(values)
+        for pc, op in zip(f.opt_pieces, f.opt_params):
+            name = slot_name[pc.slot.offset]
+            state: dict[str, Any] = {}
+            for key in optim_keys.get(name, []):
+                values = reader.read_range(optim_key(name, key), pc.param_start, pc.param_stop)
+                dtype = op.dtype if values.is_floating_point() else values.dtype
+                state[key] = values.to(device=op.device, dtype=dtype)
+            group = group_of.get(id(op), {})
+            on_device = bool(group.get("capturable") or group.get("fused"))
+            for key, spec in scalars.get(name, {}).items():
+                state[key] = _scalar_tensor(spec, op.device if on_device else torch.device("cpu"))
+            engine.optimizer.state.pop(op, None)
+            if state:
+                engine.optimizer.state[op] = state
+
+
+def load_replicated(engine: Engine, reader: CheckpointReader, names: ModelNames) -> None:
+    """Load every parameter outside flat buffers and every buffer, whole, on every rank."""
+    with torch.no_grad():
+        for name, p in outside_params(engine):
+            p.data.copy_(reader.read_full(model_key(name)).reshape(p.shape))
+        for name, b in names.buffers.items():
+            b.data.copy_(reader.read_full(buffer_key(name)).reshape(b.shape))

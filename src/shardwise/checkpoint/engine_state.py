@@ -1,0 +1,277 @@
+"""Saving and loading a whole training engine, at any world size, stage or precision.
+
+    path = save_engine(engine, "ckpt", sampler=sampler)    # every rank; rank 0 commits
+    state = load_engine(engine, "ckpt", sampler=sampler)   # every rank; any world size
+
+A checkpoint holds the logical tensors of ``engine_shards`` (fp32 masters ``model/``,
+element-wise optimizer states ``optim/``, buffers ``buffer/``), each rank writing only its own
+flat ranges, plus two small records:
+
+- the trainer state (JSON, in the manifest): global and micro step, resolved config, world size,
+  dp size, ZeRO stage, precision, loss scaler, learning-rate scheduler, optimizer class and
+  hyperparameters per group, scalar optimizer states per parameter (Adam's ``step``), data
+  sampler position, tied-parameter aliases, the caller's ``extra`` and format notes;
+- one rank state per rank (pickled): python, numpy, torch CPU and CUDA RNG states.
+
+Loading reads, on each rank, exactly the ranges its master and optimizer pieces cover now, so the
+world size, ZeRO stage and precision may all differ from the run that saved. RNG states are
+restored only at the same world size (rank r gets rank r's); otherwise every rank is re-seeded.
+
+Tensor layout: ``engine_shards``; trainer and rank state: ``engine_trainer``. Offline helpers
+(re-exported here, defined in ``engine_export``): :func:`read_model_state` /
+:func:`export_model_state` give the full model state (every key of the plain model's
+``state_dict()``, tied aliases included) and :func:`load_pretrained` starts an engine from such
+a state or file.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shardwise import comm
+from shardwise import dist as sw_dist
+from shardwise.checkpoint.async_writer import AsyncCheckpointWriter
+from shardwise.checkpoint.engine_export import (
+    describe,
+    export_model_state,
+    load_pretrained,
+    read_model_state,
+)
+from shardwise.checkpoint.engine_shards import (
+    ModelNames,
+    ScalarStates,
+    check_model_matches,
+    flat_entries,
+    load_flats,
+    load_replicated,
+    replicated_entries,
+)
+from shardwise.checkpoint.engine_trainer import (
+    ENGINE_FORMAT,
+    rank_state,
+    restore_rng,
+    restore_trainer,
+    trainer_state,
+)
+from shardwise.checkpoint.errors import CheckpointError
+from shardwise.checkpoint.integrity import (
+    check_file,
+    check_manifest_sha256,
+    committed_manifest_sha256,
+    read_manifest,
+)
+from shardwise.checkpoint.layout import step_dir_name
+from shardwise.checkpoint.locate import resolve
+from shardwise.checkpoint.reader import CheckpointReader, find_latest_valid
+from shardwise.checkpoint.writer import save_checkpoint
+
+if TYPE_CHECKING:
+    from shardwise.data.sampler import DistributedBatchSampler
+    from shardwise.engine import Engine
+
+__all__ = [
+    "describe",
+    "export_model_state",
+    "load_engine",
+    "load_pretrained",
+    "read_model_state",
+    "resume_engine",
+    "save_engine",
+]
+
+log = logging.getLogger("shardwise.checkpoint")
+
+
+def _me() -> int:
+    return sw_dist.rank()
+
+
+# ---- saving ----
+
+def _check_saveable(engine: Engine) -> None:
+    world = sw_dist.world_size()
+    if tuple(engine.group.ranks) != tuple(range(world)):
+        raise ValueError(f"checkpoints need the engine's data-parallel group to be the whole "
+                         f"world in rank order; it is {engine.group} of {world} ranks")
+    accum = engine.config.gradient_accumulation_steps
+    if engine.micro_step % accum:
+        raise ValueError(f"save at an optimizer-step boundary (after engine.step()): micro-step "
+                         f"{engine.micro_step} is inside an accumulation window of {accum}, and "
+                         f"accumulated gradients are not saved")
+
+
+def _gather_scalars(engine: Engine, local: ScalarStates) -> ScalarStates:
+    """Every rank's scalar optimizer states, merged; pieces of one parameter must agree.
+    Communicates: one all_gather_object over the engine's group."""
+    merged: ScalarStates = {}
+    for rank, states in enumerate(comm.all_gather_object(local, group=engine.group)):
+        for name, values in states.items():
+            if merged.setdefault(name, values) != values:
+                raise ValueError(f"scalar optimizer states of {name!r} differ between ranks "
+                                 f"({merged[name]} vs rank {rank}'s {values})")
+    return merged
+
+
+def save_engine(engine: Engine, root: Path | str, *,
+                sampler: DistributedBatchSampler | None = None,
+                extra: dict[str, Any] | None = None,
+                async_writer: AsyncCheckpointWriter | None = None,
+                verify_writes: bool = True) -> Path:
+    """Save the engine's complete training state as step ``engine.global_step`` under ``root``.
+
+    Call on every rank, between optimizer steps. Each rank writes only its pieces (see
+    ``engine_shards``); rank 0 commits the manifest.
+
+    Args:
+        root: checkpoint root every rank sees; the checkpoint is ``root/step-{step:08d}``.
+        sampler: a data sampler whose ``state_dict()`` is saved (its position).
+        extra: JSON-able values of the caller's, returned by ``load_engine`` under "extra".
+        async_writer: save in the background through it (its root must be ``root``): this
+            returns once the pieces are copied to host memory; ``async_writer.wait()`` blocks
+            until the commit.
+        verify_writes: read each written file back and check its sha256 before the commit
+            (synchronous saves; an async writer has its own setting).
+
+    Returns:
+        The checkpoint's path (with ``async_writer``: where it will be once committed).
+
+    Communicates: one all_gather_object of scalar optimizer states over the engine's group, then
+    the collectives of ``save_checkpoint`` (from the writer's thread when async).
+    """
+    _check_saveable(engine)
+    names = ModelNames.of(engine.module)
+    entries, local = flat_entries(engine, names)
+    entries += replicated_entries(engine, names)
+    state = trainer_state(engine, names, _gather_scalars(engine, local), sampler, extra)
+    step = engine.global_step
+    if async_writer is not None:
+        if async_writer.root != Path(root):
+            raise ValueError(f"async_writer saves into {async_writer.root}, not {root}; use a "
+                             f"writer made for this root")
+        async_writer.save(step, entries, state, rank_state())
+        return Path(root) / step_dir_name(step)
+    return save_checkpoint(root, step, entries, state, rank_state(),
+                           keep_last=engine.config.keep_last, group=engine.group,
+                           verify_writes=verify_writes)
+
+
+# ---- loading ----
+
+def _verify_together(step_dir: Path, engine: Engine) -> None:
+    """Check the commit, the manifest and every file's sha256, each rank reading a share of the
+    files; every rank raises the first problem found. Communicates: one all_gather_object."""
+    problem: tuple[str, str | None] | None = None
+    try:
+        recorded = committed_manifest_sha256(step_dir)
+        manifest, sha = read_manifest(step_dir)
+        check_manifest_sha256(step_dir, sha, recorded)
+        files = sorted(manifest.files)
+        for name in files[engine.group.rank::engine.group.size]:
+            record = manifest.files[name]
+            check_file(step_dir / name, record.size, record.sha256)
+    except CheckpointError as exc:
+        problem = (exc.problem, None if exc.path is None else str(exc.path))
+    found = [p for p in comm.all_gather_object(problem, group=engine.group) if p is not None]
+    if found:
+        raise CheckpointError(*found[0])
+
+
+def _check_format(state: dict[str, Any], engine: Engine, step_dir: Path) -> None:
+    fmt = state.get("format", {})
+    if fmt.get("name") != ENGINE_FORMAT["name"] or fmt.get("version") != ENGINE_FORMAT["version"]:
+        raise CheckpointError(f"not a {ENGINE_FORMAT['name']} v{ENGINE_FORMAT['version']} "
+                              f"checkpoint (trainer_state format {fmt}); read its tensors with "
+                              f"shardwise.checkpoint.CheckpointReader", step_dir)
+    saved, now = state["optimizer"]["class"], type(engine.optimizer).__name__
+    if saved != now:
+        raise ValueError(f"the checkpoint's optimizer is {saved}, this engine's {now}: build the "
+                         f"engine with {saved}, or load only the weights with "
+                         f"engine.load_full_state({step_dir})")
+
+
+def load_engine(engine: Engine, path_or_root: Path | str, *,
+                sampler: DistributedBatchSampler | None = None,
+                which: str | int = "latest", verify: bool = True) -> dict[str, Any]:
+    """Load a checkpoint of ``save_engine`` into ``engine``; call on every rank.
+
+    The world size, ZeRO stage and precision may differ from the saving run: each rank reads
+    the flat ranges it owns now. Restores masters and parameters, optimizer states,
+    hyperparameters, loss scaler, scheduler, global and micro step, ``sampler``'s position and
+    (same world size only) RNG states. Gradients are dropped.
+
+    Args:
+        path_or_root: a ``step-N`` directory, or a checkpoint root.
+        which: with a root, ``"latest"`` (newest committed) or a step number.
+        verify: check every file's sha256 first (the ranks share the reading).
+
+    Returns:
+        The trainer state (see the module docstring); the caller's values are under "extra".
+
+    Raises:
+        CheckpointError naming the damaged or missing file; ValueError when the checkpoint
+        does not fit the model or optimizer.
+
+    Communicates: the verification's all_gather_object; stages 1-2: one all_gather per flat
+    buffer to refresh the replicated parameters.
+    """
+    step_dir = resolve(path_or_root, which)
+    if verify:
+        _verify_together(step_dir, engine)
+    names = ModelNames.of(engine.module)
+    with CheckpointReader(step_dir, verify=False) as reader:
+        state = reader.trainer_state
+        _check_format(state, engine, step_dir)
+        check_model_matches(reader, engine, names)
+        load_flats(engine, reader, names, state["optimizer"]["scalar_states"])
+        load_replicated(engine, reader, names)
+        handles = [f.publish_master() for f in engine.flats]
+        for h in handles:
+            if h is not None:
+                h.wait()
+        for f in engine.flats:
+            f.release()
+        engine.zero_grad()
+        restore_trainer(engine, state, sampler)
+        restore_rng(engine, reader)
+    log.info("rank %d: loaded step %d from %s (saved by %d ranks at stage %d, %s; now %d ranks "
+             "at stage %d, %s)", _me(), engine.global_step, step_dir, state["dp_size"],
+             state["zero_stage"], state["precision"], engine.group.size, engine.stage.stage,
+             engine.config.precision)
+    return state
+
+
+def resume_engine(engine: Engine, root: Path | str, *,
+                  sampler: DistributedBatchSampler | None = None) -> dict[str, Any] | None:
+    """Load the newest checkpoint under ``root`` that verifies; None when there is none.
+
+    Damaged or uncommitted newer checkpoints are skipped with a warning naming each one and
+    why. Rank 0 searches and verifies; the others follow its choice. Communicates: one
+    broadcast_object, then ``load_engine``'s collectives.
+    """
+    outcome: tuple[str | None, list[tuple[str, str]]] | str | None = None
+    if engine.group.rank == 0:
+        try:
+            newest, passed_over = find_latest_valid(root)
+            outcome = (None if newest is None else str(newest),
+                       [(str(p), why) for p, why in passed_over])
+        except Exception as exc:  # raised on every rank below
+            outcome = f"{type(exc).__name__}: {exc}"
+    outcome = comm.broadcast_object(outcome, src=engine.group.ranks[0], group=engine.group)
+    if isinstance(outcome, str) or outcome is None:
+        raise CheckpointError(f"searching for a checkpoint to resume from failed: {outcome}",
+                              root)
+    found, skipped = outcome
+    if found is None:
+        log.log(logging.WARNING if skipped else logging.INFO,
+                "rank %d: no %scheckpoint in %s: starting fresh", _me(),
+                "valid " if skipped else "", root)
+        return None
+    if skipped and engine.group.rank == 0:  # find_latest_valid logged each one's reason
+        log.warning("rank 0: resume fell back past %d damaged checkpoint(s) %s to %s, the "
+                    "newest one that verifies", len(skipped),
+                    [Path(p).name for p, _ in skipped], found)
+    return load_engine(engine, found, sampler=sampler, verify=False)
+
+

@@ -1,0 +1,201 @@
+"""The small, non-tensor part of an engine checkpoint: steps, settings, RNG states.
+
+``trainer_state`` is the JSON record stored in the manifest: global and micro step, resolved
+config, world size, dp size, ZeRO stage, precision, loss scaler, learning-rate scheduler,
+optimizer class with each group's hyperparameters and the scalar optimizer states per parameter
+(Adam's ``step``), data sampler position, tied-parameter aliases, the caller's ``extra`` and
+format notes. ``rank_state`` is what each rank pickles for itself: its RNG states.
+
+Scheduler states are made JSON with one extension: a dict with non-string keys (MultiStepLR's
+milestones) is stored as ``{"__items__": [[key, value], ...]}``. Nothing here communicates.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from shardwise import dist as sw_dist
+from shardwise.checkpoint.engine_shards import ModelNames, ScalarStates
+from shardwise.checkpoint.reader import CheckpointReader
+
+if TYPE_CHECKING:
+    from shardwise.data.sampler import DistributedBatchSampler
+    from shardwise.engine import Engine
+
+log = logging.getLogger("shardwise.checkpoint")
+
+ENGINE_FORMAT = {
+    "name": "shardwise-engine",
+    "version": 1,
+    "notes": "model/<param>: fp32 master values; optim/<param>/<key>: element-wise optimizer "
+             "states; buffer/<name>: persistent buffers (floating ones fp32); "
+             "optimizer.scalar_states: per-parameter scalar states; aliases: state-dict keys "
+             "that name an already stored tensor (tied weights)",
+}
+_ITEMS_TAG = "__items__"  # a dict whose keys are not all strings, as [[key, value], ...]
+
+
+def _me() -> int:
+    return sw_dist.rank()
+
+
+# ---- JSON for scheduler and optimizer hyperparameters ----
+
+def _to_json(value: Any, where: str) -> Any:
+    """``value`` as JSON types (tensors of one element become numbers); ValueError naming
+    ``where`` for anything else."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value):
+            return {k: _to_json(v, f"{where}.{k}") for k, v in value.items()}
+        return {_ITEMS_TAG: [[_to_json(k, where), _to_json(v, f"{where}[{k!r}]")]
+                             for k, v in value.items()]}
+    raise ValueError(f"{where} is a {type(value).__name__}, which a checkpoint's trainer state "
+                     f"(JSON) cannot hold")
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {_ITEMS_TAG}:
+            return {_from_json(k): _from_json(v) for k, v in value[_ITEMS_TAG]}
+        return {k: _from_json(v) for k, v in value.items()}
+    return value
+
+
+def _scheduler_state(scheduler: Any, saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved scheduler state back from JSON, with the container types the scheduler uses
+    now (a tuple stays a tuple, MultiStepLR's milestones a Counter)."""
+    state = _from_json(saved)
+    for key, value in state.items():
+        now = getattr(scheduler, key, None)
+        if isinstance(now, (Counter, tuple)) and isinstance(value, (dict, list)):
+            state[key] = type(now)(value)
+    return state
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's JSON-able settings (lr, betas...), without its parameters."""
+    groups = []
+    for g in optimizer.param_groups:
+        kept = {}
+        for k, v in g.items():
+            if k == "params":
+                continue
+            try:
+                kept[k] = _to_json(v, k)
+            except ValueError:  # set by the constructor again on load
+                log.debug("rank %d: optimizer setting %r is not saved (not JSON)", _me(), k)
+        groups.append(kept)
+    return groups
+
+
+def _restore_hyperparameters(optimizer: torch.optim.Optimizer,
+                             saved: list[dict[str, Any]]) -> None:
+    if len(saved) != len(optimizer.param_groups):
+        raise ValueError(f"the checkpoint's optimizer has {len(saved)} parameter groups, this "
+                         f"one {len(optimizer.param_groups)}; build the optimizer with the same "
+                         f"groups")
+    for group, values in zip(optimizer.param_groups, saved):
+        for k, v in values.items():
+            now = group.get(k)
+            if isinstance(now, torch.Tensor):
+                now.fill_(v)
+            elif isinstance(now, tuple):
+                group[k] = tuple(v)
+            else:
+                group[k] = v
+
+
+def trainer_state(engine: Engine, names: ModelNames, scalars: ScalarStates,
+                  sampler: DistributedBatchSampler | None, extra: dict[str, Any] | None
+                  ) -> dict[str, Any]:
+    """The JSON record of ``engine``'s run (see the module docstring); ``scalars`` are the
+    merged scalar optimizer states of every parameter."""
+    sched = engine.lr_scheduler
+    return {
+        "format": ENGINE_FORMAT,
+        "global_step": engine.global_step,
+        "micro_step": engine.micro_step,
+        "skipped_steps": engine.skipped_steps,
+        "config": engine.config.to_dict(),
+        "world_size": sw_dist.world_size(),
+        "dp_size": engine.group.size,
+        "zero_stage": engine.stage.stage,
+        "precision": engine.config.precision,
+        "loss_scaler": {"enabled": engine.scaler.enabled, **engine.scaler.state_dict()},
+        "lr_scheduler": None if sched is None else _to_json(sched.state_dict(), "lr_scheduler"),
+        "optimizer": {"class": type(engine.optimizer).__name__,
+                      "param_groups": _hyperparameters(engine.optimizer),
+                      "scalar_states": scalars},
+        "sampler": None if sampler is None else sampler.state_dict(),
+        "aliases": names.aliases,
+        "extra": extra or {},
+    }
+
+
+def rank_state() -> dict[str, Any]:
+    """This process's RNG states: python, numpy, torch CPU and (once initialized) CUDA."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(), "cuda": cuda}
+
+
+def restore_trainer(engine: Engine, state: dict[str, Any],
+                    sampler: DistributedBatchSampler | None) -> None:
+    """Steps, loss scaler (when both runs scale), optimizer hyperparameters, scheduler and
+    ``sampler`` from a trainer state. A micro step that does not fall on an optimizer-step
+    boundary of this run's accumulation is set to ``global_step * accumulation``."""
+    accum = engine.config.gradient_accumulation_steps
+    engine.global_step = int(state["global_step"])
+    micro = int(state["micro_step"])
+    engine.micro_step = micro if micro % accum == 0 else engine.global_step * accum
+    engine.skipped_steps = int(state.get("skipped_steps", 0))
+    scaler = state["loss_scaler"]
+    if scaler["enabled"] and engine.scaler.enabled:
+        engine.scaler.load_state_dict(scaler)
+    _restore_hyperparameters(engine.optimizer, state["optimizer"]["param_groups"])
+    sched = state["lr_scheduler"]
+    if engine.lr_scheduler is not None and sched is not None:
+        engine.lr_scheduler.load_state_dict(_scheduler_state(engine.lr_scheduler, sched))
+    elif (engine.lr_scheduler is None) != (sched is None):
+        log.warning("rank %d: the checkpoint %s a learning-rate scheduler state, the engine %s "
+                    "a scheduler: not restored", _me(), "has" if sched else "has no",
+                    "has no" if engine.lr_scheduler is None else "has")
+    if sampler is not None:
+        if state.get("sampler") is None:
+            raise ValueError("the checkpoint holds no sampler state; load without sampler=")
+        sampler.load_state_dict(state["sampler"])
+
+
+def restore_rng(engine: Engine, reader: CheckpointReader) -> None:
+    """At the saving world size, give this rank the RNG states rank ``group.rank`` saved;
+    otherwise re-seed every rank with ``config.seed + global_step`` and say so."""
+    if reader.world_size == engine.group.size:
+        rs = reader.rank_state(engine.group.rank)
+        random.setstate(rs["python"])
+        np.random.set_state(rs["numpy"])
+        torch.set_rng_state(rs["torch"])
+        if rs["cuda"] is not None and torch.cuda.is_available() \
+                and len(rs["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(rs["cuda"])
+        return
+    seed = engine.config.seed + engine.global_step
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    log.info("rank %d: checkpoint written by %d ranks, now %d: RNG states not restored; "
+             "re-seeded with config.seed + global_step = %d", _me(), reader.world_size,
+             engine.group.size, seed)
