@@ -87,7 +87,11 @@ def _check_int(name: str, value: int, minimum: int) -> None:
 
 
 def estimate_model_states(
-    num_params: int, world_size: int, precision: str = "fp32", offload: bool = False
+    num_params: int,
+    world_size: int,
+    precision: str = "fp32",
+    offload: bool = False,
+    reduce_dtype: str | None = None,
 ) -> dict[int, StageEstimate]:
     """Per-rank bytes for params, grads and Adam state at ZeRO stages 0 to 3.
 
@@ -97,6 +101,9 @@ def estimate_model_states(
         precision: ``"fp32"``, or ``"bf16"``/``"fp16"`` for mixed precision with fp32 master
             weights kept in the optimizer.
         offload: Put the optimizer part (moments and master weights) in host memory.
+        reduce_dtype: dtype gradients are reduced in (None: fp32, the engine's default). A
+            sharded gradient (stages 2-3) is kept at this dtype, so mixed precision with an fp32
+            reduction holds 4 bytes per gradient element there instead of the paper's 2.
 
     Returns:
         ``{stage: StageEstimate}`` for stages 0, 1, 2, 3. Nothing is communicated.
@@ -106,6 +113,11 @@ def estimate_model_states(
     _check_precision(precision)
     state_bytes = 4 if precision == "fp32" else 2  # bytes per param and per grad element
     optim_bytes = 8 if precision == "fp32" else 12  # K: two moments (+ fp32 master)
+    if reduce_dtype not in (None, "fp32", "bf16", "fp16"):
+        raise ValueError(
+            f"reduce_dtype must be None, 'fp32', 'bf16' or 'fp16', got {reduce_dtype!r}"
+        )
+    shard_grad_bytes = 4 if reduce_dtype in (None, "fp32") else 2
     shard = math.ceil(num_params / world_size)  # elements per rank after padding to N
     estimates = {}
     for stage in STAGES:
@@ -113,7 +125,7 @@ def estimate_model_states(
         estimates[stage] = StageEstimate(
             stage=stage,
             params_bytes=state_bytes * (shard if params_sharded else num_params),
-            grads_bytes=state_bytes * (shard if grads_sharded else num_params),
+            grads_bytes=shard_grad_bytes * shard if grads_sharded else state_bytes * num_params,
             optimizer_bytes=optim_bytes * (shard if optim_sharded else num_params),
             offload=offload,
         )

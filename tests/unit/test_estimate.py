@@ -27,7 +27,7 @@ _SHARDED = {0: (0, 0, 0), 1: (0, 0, 1), 2: (0, 1, 1), 3: (1, 1, 1)}
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize(("num_params", "world_size"), [(1000, 1), (1200, 4), (23_240_704, 8)])
 def test_model_state_formulas(precision: str, num_params: int, world_size: int) -> None:
-    est = estimate_model_states(num_params, world_size, precision)
+    est = estimate_model_states(num_params, world_size, precision, reduce_dtype=precision)
     assert sorted(est) == [0, 1, 2, 3]
     k = _PER_ELEMENT[precision]
     for stage, sharded in _SHARDED.items():
@@ -40,7 +40,7 @@ def test_model_state_formulas(precision: str, num_params: int, world_size: int) 
 
 def test_model_state_totals_per_paper() -> None:
     psi, n = 7_500_000_000, 64  # the ZeRO paper's 7.5B model on 64 GPUs, mixed precision
-    est = estimate_model_states(psi, n, "fp16")
+    est = estimate_model_states(psi, n, "fp16", reduce_dtype="fp16")
     assert est[0].total_bytes == 16 * psi  # 120 GB
     assert est[1].total_bytes == 4 * psi + 12 * psi // n  # 31.4 GB
     assert est[2].total_bytes == 2 * psi + 14 * psi // n  # 16.6 GB
@@ -56,8 +56,8 @@ def test_padding_rounds_shards_up() -> None:
 
 
 def test_offload_moves_optimizer_to_host() -> None:
-    on = estimate_model_states(1200, 4, "bf16", offload=False)
-    off = estimate_model_states(1200, 4, "bf16", offload=True)
+    on = estimate_model_states(1200, 4, "bf16", offload=False, reduce_dtype="bf16")
+    off = estimate_model_states(1200, 4, "bf16", offload=True, reduce_dtype="bf16")
     for stage in range(4):
         assert off[stage].host_bytes == on[stage].optimizer_bytes
         assert off[stage].device_bytes == on[stage].params_bytes + on[stage].grads_bytes
@@ -205,3 +205,13 @@ def test_checkpointing_saves_memory_and_scales() -> None:
 def test_stage_estimate_is_plain_data() -> None:
     e = StageEstimate(stage=2, params_bytes=1, grads_bytes=2, optimizer_bytes=3, offload=True)
     assert (e.device_bytes, e.host_bytes, e.total_bytes) == (3, 3, 6)
+
+
+def test_fp32_reduction_keeps_fp32_gradient_shards() -> None:
+    """The engine's default reduce dtype is fp32: sharded gradients take 4 bytes each."""
+    paper = estimate_model_states(1200, 4, "bf16", reduce_dtype="bf16")
+    default = estimate_model_states(1200, 4, "bf16")
+    for stage in (0, 1):
+        assert default[stage].grads_bytes == paper[stage].grads_bytes == 2 * 1200
+    for stage in (2, 3):
+        assert default[stage].grads_bytes == 2 * paper[stage].grads_bytes == 4 * 300

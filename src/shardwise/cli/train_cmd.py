@@ -1,0 +1,205 @@
+"""``shardwise train``: check the options, write the run's config.json, start the ranks.
+
+Every option is validated here, in the launcher, before a rank starts: a bad one is a single
+error line and exit code 2. The ranks run ``python -m shardwise.train.worker RUN_DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from shardwise.cli.launch import add_launch_args, check_launch_args, launch
+from shardwise.config import PRECISIONS, Config
+from shardwise.train import checkpoints
+from shardwise.train.options import DEFAULT_STEPS, RunConfig, TrainOptions
+from shardwise.train.progress import format_duration, format_rate
+from shardwise.train.rundir import RunDir, latest_run_dir, new_run_dir
+from shardwise.train.summary import read_summary
+
+DEFAULT_NPROC = 2
+DEFAULT_MICRO_BATCH = 8
+DEFAULT_CLIPPING = 1.0
+DEFAULT_CHECKPOINT_EVERY = 100
+
+# TrainOptions fields a resumed run may change; everything else shapes the run and must stay.
+RESUMABLE = ("steps", "eval_every", "eval_batches", "log_every")
+TRAIN_FLAGS = ("model", "steps", "seq_len", "lr", "warmup_steps", "eval_every", "eval_batches",
+               "log_every", "data", "max_bytes")
+ENGINE_FLAGS = {"zero": "zero_stage", "precision": "precision",
+                "micro_batch": "micro_batch_size", "grad_accum": "gradient_accumulation_steps",
+                "seed": "seed"}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train", help="train a GPT on a byte-level text corpus across ranks",
+        description="Train a GPT on a byte-level corpus (default: the Python standard library's "
+                    "sources) on N ranks with ZeRO. Writes config.json, metrics.jsonl, "
+                    "checkpoints and summary.json into the run directory.")
+    add_launch_args(p, default_nproc=DEFAULT_NPROC)
+    p.set_defaults(nproc_per_node=None, func=run_train)  # None: given or not, decided below
+    g = p.add_argument_group("engine")
+    g.add_argument("--zero", type=int, help="ZeRO stage 0-3 (default 0)")
+    g.add_argument("--precision", help=f"{' | '.join(PRECISIONS)} (default fp32)")
+    g.add_argument("--micro-batch", type=int,
+                   help=f"sequences per rank per micro-step (default {DEFAULT_MICRO_BATCH})")
+    g.add_argument("--grad-accum", type=int, help="micro-steps per optimizer step (default 1)")
+    g.add_argument("--activation-checkpointing", action="store_true", default=None,
+                   help="recompute each transformer block's activations in backward")
+    g.add_argument("--checkpoint-every", type=int,
+                   help=f"save a checkpoint every N steps (default {DEFAULT_CHECKPOINT_EVERY}; "
+                        "0: only at the end)")
+    g.add_argument("--seed", type=int, help="seed of weights and data order (default 0)")
+    g.add_argument("--config", type=Path,
+                   help="a shardwise Config file (.toml/.json/.yaml); flags override it")
+    t = p.add_argument_group("training")
+    t.add_argument("--model", help="model preset: tiny | small | medium | anchor | gpt2 "
+                                   "(default small)")
+    t.add_argument("--steps", type=int, help=f"optimizer steps (default {DEFAULT_STEPS})")
+    t.add_argument("--lr", type=float, help="peak learning rate, AdamW (default 3e-3)")
+    t.add_argument("--warmup-steps", type=int, help="linear warmup (default 10%% of steps)")
+    t.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
+    t.add_argument("--eval-every", type=int, help="validation every N steps (default 50)")
+    t.add_argument("--eval-batches", type=int, help="validation micro-batches per rank")
+    t.add_argument("--log-every", type=int, help="steps between log lines off a terminal")
+    t.add_argument("--data", help="text file or directory (default: the Python stdlib)")
+    t.add_argument("--max-bytes", type=int, help="read at most this many corpus bytes")
+    r = p.add_argument_group("run directory")
+    r.add_argument("--run-dir", type=Path, help="where the run's files go (default "
+                                                "runs/<timestamp>; with --resume: the newest)")
+    r.add_argument("--resume", action="store_true",
+                   help="continue the run in --run-dir from its newest checkpoint")
+
+
+def _given(args: argparse.Namespace, names: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
+def _check_engine_flags(args: argparse.Namespace) -> None:
+    if args.zero is not None and args.zero not in (0, 1, 2, 3):
+        raise ValueError(f"--zero must be one of 0, 1, 2, 3, got {args.zero}")
+    if args.precision is not None and args.precision not in PRECISIONS:
+        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, "
+                         f"got {args.precision!r}")
+    for flag in ("micro_batch", "grad_accum"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.checkpoint_every is not None and args.checkpoint_every < 0:
+        raise ValueError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+
+
+def _engine_config(args: argparse.Namespace, run_dir: RunDir) -> Config:
+    """File values over the train defaults, flags over both."""
+    base = Config.from_file(args.config) if args.config else Config()
+    defaults = Config().to_dict()
+    from_file = {k for k, v in base.to_dict().items() if v != defaults[k]}
+    values = base.to_dict()
+    if "micro_batch_size" not in from_file:
+        values["micro_batch_size"] = DEFAULT_MICRO_BATCH
+    if "gradient_clipping" not in from_file:
+        values["gradient_clipping"] = DEFAULT_CLIPPING
+    if "checkpoint_every" not in from_file:
+        values["checkpoint_every"] = DEFAULT_CHECKPOINT_EVERY if checkpoints.available() else 0
+    values.update({ENGINE_FLAGS[k]: v for k, v in _given(args, list(ENGINE_FLAGS)).items()})
+    if args.activation_checkpointing:
+        values["activation_checkpointing"] = ["Block"]
+    if args.checkpoint_every is not None:
+        values["checkpoint_every"] = args.checkpoint_every
+    values["checkpoint_dir"] = str(run_dir.checkpoints.resolve())
+    values["resume"] = "never"  # the worker resumes explicitly (--resume), with the sampler
+    return Config.from_dict(values)
+
+
+def _new_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir]:
+    run_dir = RunDir(args.run_dir) if args.run_dir else new_run_dir()
+    if run_dir.exists():
+        raise ValueError(f"{run_dir.root} already holds a run: pass --resume to continue it, "
+                         "or choose another --run-dir")
+    args.nproc_per_node = DEFAULT_NPROC if args.nproc_per_node is None else args.nproc_per_node
+    check_launch_args(args)
+    if args.data is not None and Path(args.data).exists():
+        args.data = str(Path(args.data).resolve())  # ranks and resumes may run elsewhere
+    opts = TrainOptions(**_given(args, TRAIN_FLAGS))
+    run = RunConfig(train=opts, engine=_engine_config(args, run_dir),
+                    world_size=args.nproc_per_node * args.nnodes,
+                    launch={"nproc_per_node": args.nproc_per_node, "nnodes": args.nnodes})
+    return run, run_dir
+
+
+def _changed_on_resume(args: argparse.Namespace, run: RunConfig) -> list[str]:
+    """Flags given with --resume whose value differs from the run's (except RESUMABLE)."""
+    saved: dict[str, Any] = {f: getattr(run.train, f) for f in TRAIN_FLAGS}
+    saved.update({flag: getattr(run.engine, key) for flag, key in ENGINE_FLAGS.items()})
+    saved["activation_checkpointing"] = bool(run.engine.activation_checkpointing) or None
+    saved["config"] = None
+    return [f for f, v in saved.items()
+            if f not in RESUMABLE and getattr(args, f) is not None and getattr(args, f) != v]
+
+
+def _resumed_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir]:
+    if not checkpoints.available():
+        raise ValueError("--resume needs sharded checkpoints, which this build cannot save")
+    run_dir = (RunDir(args.run_dir) if args.run_dir else latest_run_dir()).require()
+    run = RunConfig.read(run_dir.config)
+    changed = _changed_on_resume(args, run)
+    if changed:
+        allowed = ", ".join("--" + f.replace("_", "-") for f in (*RESUMABLE, "checkpoint_every"))
+        raise ValueError(f"--{changed[0].replace('_', '-')} cannot change when resuming: the "
+                         f"run keeps its model, data and batch shape; only {allowed} may")
+    saved_nproc = run.launch.get("nproc_per_node", run.world_size)
+    args.nproc_per_node = saved_nproc if args.nproc_per_node is None else args.nproc_per_node
+    check_launch_args(args)
+    if args.nproc_per_node * args.nnodes != run.world_size:
+        raise ValueError(f"the run was trained on {run.world_size} ranks: resume it with "
+                         f"--nproc-per-node {saved_nproc}")
+    opts = dataclasses.replace(run.train, **_given(args, RESUMABLE))
+    engine = run.engine
+    if args.checkpoint_every is not None:
+        engine = engine.replace(checkpoint_every=args.checkpoint_every)
+    return RunConfig(train=opts, engine=engine, world_size=run.world_size,
+                     launch=run.launch), run_dir
+
+
+def _report(run_dir: RunDir, code: int) -> None:
+    """The last lines on the terminal: how the run went and where to look."""
+    summary = read_summary(run_dir.summary)
+    if summary is None:
+        print(f"shardwise train: no summary in {run_dir.root} (exit code {code})")
+        return
+    val, base = summary.get("final_val_loss"), summary["unigram_baseline"]
+    val_text = "n/a" if val is None else f"{val:.3f}"
+    rate = summary.get("tokens_per_s")
+    print(f"{summary['status']} at step {summary['steps']}: validation loss {val_text} nats "
+          f"(unigram baseline {base:.3f}), {format_rate(rate) if rate else 'n/a'} at "
+          f"{summary['world_size']} ranks, wall time {format_duration(summary['wall_time_s'])}")
+    print(f"run directory: {run_dir.root}")
+    if summary["status"] != "finished" and checkpoints.available():
+        print(f"continue with: shardwise train --run-dir {run_dir.root} --resume")
+    print(f"plots: shardwise report {run_dir.root}    sample: shardwise generate "
+          f"{run_dir.root} --prompt 'def '")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    _check_engine_flags(args)
+    run, run_dir = _resumed_run(args) if args.resume else _new_run(args)
+    run_dir.root.mkdir(parents=True, exist_ok=True)
+    run.write(run_dir.config)
+    print(f"shardwise train: {run.train.model} model, {run.world_size} ranks, "
+          f"ZeRO-{run.engine.zero_stage}, {run.engine.precision}, {run.train.steps} steps of "
+          f"{run.tokens_per_step} tokens -> {run_dir.root}", flush=True)
+    if args.nproc_per_node > 1:  # what the elastic launcher would set, minus its warning
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    target = ["-m", "shardwise.train.worker", str(run_dir.root)]
+    try:
+        code = launch(args, target + (["--resume"] if args.resume else []))
+    except Exception as exc:  # the elastic agent's SignalException: Ctrl-C or SIGTERM
+        if type(exc).__name__ != "SignalException":
+            raise
+        code = 128 + int(getattr(exc, "sigval", 2))  # 130 for SIGINT, 143 for SIGTERM
+    _report(run_dir, code)
+    return code

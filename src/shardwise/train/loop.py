@@ -1,0 +1,228 @@
+"""The per-rank training loop of ``shardwise train``: a GPT on a byte-level corpus.
+
+Every rank builds the same model, wraps it with ``shardwise.initialize`` and reads its own slice
+of each global batch. After every step the ranks exchange one small record (loss, step time,
+memory, communication, whether a stop signal arrived) with ``all_gather_object``; rank 0 logs
+it. A stop signal ends the run after the step in which any rank saw it, on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+
+import shardwise
+from shardwise import comm
+from shardwise.data import DistributedBatchSampler, load_corpus
+from shardwise.engine import Engine
+from shardwise.models.gpt import GPT
+from shardwise.train import checkpoints
+from shardwise.train.metrics import MetricsWriter, read_metrics
+from shardwise.train.options import RunConfig
+from shardwise.train.progress import Progress, format_rate
+from shardwise.train.rundir import RunDir
+from shardwise.train.schedule import lr_at
+from shardwise.train.stop import StopRequest
+from shardwise.train.summary import build_summary, write_summary
+
+log = logging.getLogger("shardwise.train")
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: weight decay on matrices of linear layers only; none on biases, norms and
+    embeddings (decaying those toward zero only hurts)."""
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
+    for name, p in model.named_parameters():
+        (decay if p.dim() >= 2 and "emb" not in name else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+class Trainer:
+    """One rank's share of a run. Build it after ``shardwise.init()``; ``run()`` trains.
+
+    Args:
+        run: the resolved run config (``config.json``).
+        run_dir: where metrics, checkpoints and the final model go.
+        resume: continue from the newest checkpoint in ``run_dir``.
+    """
+
+    def __init__(self, run: RunConfig, run_dir: RunDir, resume: bool) -> None:
+        self.run_cfg, self.dir, self.opts = run, run_dir, run.train
+        self.rank, self.world = shardwise.rank(), shardwise.world_size()
+        if self.world != run.world_size:
+            raise ValueError(f"the run is configured for {run.world_size} ranks but "
+                             f"{self.world} started: launch it with matching --nproc-per-node")
+        self.started = time.perf_counter()
+        cfg = run.model
+        self.corpus = load_corpus(self.opts.data, max_bytes=self.opts.max_bytes)
+        torch.manual_seed(run.engine.seed)
+        model = GPT(cfg)
+        optimizer = torch.optim.AdamW(param_groups(model, self.opts.weight_decay),
+                                      lr=self.opts.lr, betas=(0.9, 0.95))
+        engine_cfg = run.engine.replace(resume="auto") if resume else run.engine
+        self.engine: Engine = shardwise.initialize(model, optimizer, engine_cfg)
+        self.sampler = DistributedBatchSampler(
+            self.corpus.train, cfg.seq_len, run.micro_batch, self.rank, self.world,
+            seed=run.engine.seed, grad_accum=run.engine.gradient_accumulation_steps)
+        self.step = 0
+        self.resumed = resume
+        if resume:
+            found = checkpoints.resume(self.engine, self.sampler)
+            self.step = found or 0
+        # the optimizer step of the newest checkpoint (a resumed run starts at one)
+        self.saved_step: int | None = self.engine.global_step if self.step else None
+        comm.comm_stats(reset=True)  # setup's broadcasts and loading are not the first step's
+        self.last_val: float | None = None
+
+    # ---- one step ----
+
+    def _set_lr(self) -> float:
+        lr = lr_at(self.step, peak=self.opts.lr, total=self.opts.steps,
+                   warmup=self.opts.warmup, min_ratio=self.opts.min_lr_ratio)
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def _train_step(self, stop: StopRequest) -> dict[str, Any]:
+        """Forward, backward and optimizer step over this rank's micro-batches; returns this
+        rank's part of the step record."""
+        lr = self._set_lr()
+        t0 = time.perf_counter()
+        losses = []
+        for _ in range(self.run_cfg.engine.gradient_accumulation_steps):
+            x, y = self.sampler.next_batch()  # [micro_batch, seq_len] each
+            loss = self.engine(x, y)
+            self.engine.backward(loss)
+            losses.append(float(loss.detach()))
+        memory = self.engine.memory()  # gradients are held now: the step's peak of model states
+        self.engine.step()
+        step_time = time.perf_counter() - t0
+        # exposed time first: comm_stats(reset=True) clears it too
+        exposed = comm.exposed_comm_seconds()
+        ops = comm.comm_stats(reset=True)
+        return {"loss": sum(losses) / len(losses), "lr": lr, "step_time_s": step_time,
+                "exposed_comm_s": exposed, "comm": ops, "memory": memory,
+                "grad_norm": self.engine.grad_norm,
+                "stop": int(stop.signal) if stop.signal is not None else 0}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Validation loss over ``eval_batches`` micro-batches per rank (the same ones at every
+        evaluation), averaged over ranks. Communicates: one all_reduce of one float."""
+        cfg = self.run_cfg.model
+        val = DistributedBatchSampler(self.corpus.val, cfg.seq_len, self.run_cfg.micro_batch,
+                                      self.rank, self.world, seed=self.run_cfg.engine.seed)
+        self.engine.eval()
+        total = 0.0
+        for _ in range(self.opts.eval_batches):
+            x, y = val.next_batch()
+            total += float(self.engine(x, y).float())
+        self.engine.train()
+        mean = torch.tensor([total / self.opts.eval_batches], dtype=torch.float64)
+        shardwise.all_reduce(mean, op="avg")
+        return float(mean[0])
+
+    def _record(self, parts: list[dict[str, Any]], val_loss: float | None) -> dict[str, Any]:
+        step_time = max(p["step_time_s"] for p in parts)
+        tokens = self.run_cfg.tokens_per_step
+        record = {
+            "step": self.step, "loss": sum(p["loss"] for p in parts) / len(parts),
+            "lr": parts[0]["lr"], "grad_norm": parts[0]["grad_norm"], "tokens": tokens,
+            "tokens_per_s": tokens / step_time if step_time > 0 else 0.0,
+            "step_time_s": step_time, "comm": parts[0]["comm"],
+            "exposed_comm_s": [p["exposed_comm_s"] for p in parts],
+            "memory": [p["memory"] for p in parts],
+            "elapsed_s": time.perf_counter() - self.started,
+        }
+        if val_loss is not None:
+            record["val_loss"] = val_loss
+        return record
+
+    def _save_checkpoint(self) -> None:
+        """Save unless this optimizer step is saved already (an fp16 step skipped on overflow
+        leaves ``global_step`` where it was, and a checkpoint is never written twice)."""
+        if self.saved_step == self.engine.global_step or not checkpoints.available():
+            return
+        checkpoints.save(self.engine, self.sampler)
+        self.saved_step = self.engine.global_step
+
+    # ---- the run ----
+
+    def _loop(self, stop: StopRequest, writer: MetricsWriter | None, progress: Progress | None
+              ) -> None:
+        every, ckpt_every = self.opts.eval_every, self.run_cfg.engine.checkpoint_every
+        while self.step < self.opts.steps:
+            local = self._train_step(stop)
+            self.step += 1
+            parts = comm.all_gather_object(local)
+            signals = [p["stop"] for p in parts if p["stop"]]
+            val_loss = None
+            if self.step == self.opts.steps or (every and self.step % every == 0):
+                val_loss = self.last_val = self.evaluate()
+            if ckpt_every and self.step % ckpt_every == 0 and not signals:
+                self._save_checkpoint()
+            comm.comm_stats(reset=True)  # bookkeeping, evaluation and saving are not the step's
+            if writer is not None and progress is not None:
+                record = self._record(parts, val_loss)
+                writer.write(record)
+                progress.update(record)
+            if signals:
+                stop.stop_with(signals[0])
+                return
+
+    def run(self, stop: StopRequest) -> int:
+        """Train up to ``steps``, or until ``stop`` (installed) sees a signal on any rank.
+        Returns the exit code: 0, or 130 / 143 after SIGINT / SIGTERM.
+
+        Whether finished or stopped, every rank then saves a checkpoint (when this build can)
+        and rank 0 writes ``final_model.safetensors`` and ``summary.json``.
+        """
+        lead = self.rank == 0
+        unigram = self.corpus.unigram_entropy()
+        writer = MetricsWriter(self.dir.metrics, self.step if self.resumed else None) \
+            if lead else None
+        progress = Progress(self.opts.steps, self.step, self.opts.log_every) if lead else None
+        if progress is not None:
+            progress.message(
+                f"training {self.run_cfg.model.param_count() / 1e6:.2f}M params on "
+                f"{self.world} ranks, ZeRO-{self.run_cfg.engine.zero_stage}, "
+                f"{self.run_cfg.engine.precision}, {self.run_cfg.tokens_per_step} tokens/step; "
+                f"unigram baseline {unigram:.3f} nats")
+        try:
+            self._loop(stop, writer, progress)
+            # a signal from here on changes nothing: the ranks save and exit anyway
+            self._save_checkpoint()
+            checkpoints.finish_saving(self.engine)
+            checkpoints.save_final_model(self.engine, self.dir.final_model, self.step, lead)
+        finally:
+            if progress is not None:
+                progress.close()
+            if writer is not None:
+                writer.close()
+        if lead:
+            self._write_summary(stop, unigram)
+        return stop.exit_code
+
+    def _write_summary(self, stop: StopRequest, unigram: float) -> None:
+        records = read_metrics(self.dir.metrics) if self.dir.metrics.exists() else []
+        vals = [r["val_loss"] for r in records if r.get("val_loss") is not None]
+        status = "finished"
+        if stop.signal is not None and self.step < self.opts.steps:
+            status = f"stopped by {stop.signal.name}"
+        summary = build_summary(self.run_cfg, records, status=status, unigram_baseline=unigram,
+                                final_val_loss=vals[-1] if vals else None,
+                                wall_time_s=time.perf_counter() - self.started)
+        write_summary(self.dir.summary, summary)
+        val = summary["final_val_loss"]
+        rate = summary["tokens_per_s"]
+        log.info("%s at step %d: val loss %s (unigram baseline %.3f), %s",
+                 status, summary["steps"], "n/a" if val is None else f"{val:.3f}", unigram,
+                 format_rate(rate) if rate else "n/a")
+        if val is not None and not math.isfinite(val):
+            log.warning("the validation loss is not finite: lower --lr")

@@ -1,0 +1,179 @@
+"""What a ``shardwise train`` run does: its options, validated, and the resolved run config.
+
+``TrainOptions`` holds the knobs of the training loop (model preset, steps, learning rate, data,
+evaluation); ``RunConfig`` joins them with the engine's ``shardwise.Config``, the model shape
+and the world size, and is what ``config.json`` in the run directory stores. The launcher builds
+and validates it before any rank starts; every rank reads it back from that file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardwise.config import Config
+from shardwise.models.gpt import MODEL_SIZES, GPTConfig
+
+DEFAULT_STEPS = 600
+"""Optimizer steps of the default run (2-4 minutes at 2 ranks on 2 CPU cores)."""
+
+
+@dataclass(kw_only=True)
+class TrainOptions:
+    """Knobs of the training loop. Each field documents its unit."""
+
+    model: str = "small"
+    """Model preset, a key of ``shardwise.models.MODEL_SIZES``."""
+    steps: int = DEFAULT_STEPS
+    """Optimizer steps to train in total (a resumed run continues up to this many)."""
+    seq_len: int | None = None
+    """Tokens per training sequence (None: the preset's context length)."""
+    lr: float = 3e-3
+    """Peak learning rate of AdamW, reached after the warmup."""
+    min_lr_ratio: float = 0.1
+    """The cosine decay ends at ``lr * min_lr_ratio`` on the last step."""
+    warmup_steps: int | None = None
+    """Steps of linear warmup (None: 10% of ``steps``, at most 100)."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay on matrices (biases, norms and embeddings: none)."""
+    eval_every: int = 50
+    """Compute the validation loss every this many steps, and after the last one (0: only then)."""
+    eval_batches: int = 4
+    """Validation micro-batches each rank evaluates per evaluation."""
+    log_every: int = 10
+    """Steps between progress lines when the output is not a terminal."""
+    data: str | None = None
+    """Text file or directory to train on (None: the Python standard library's sources)."""
+    max_bytes: int | None = None
+    """Read at most this many bytes of the corpus (None: all of it)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the option to change."""
+        if self.model not in MODEL_SIZES:
+            raise ValueError(f"--model {self.model!r} is unknown: choose one of "
+                             f"{', '.join(MODEL_SIZES)}")
+        for name in ("steps", "eval_batches", "log_every"):
+            _at_least(name, getattr(self, name), 1)
+        _at_least("eval_every", self.eval_every, 0)
+        if self.seq_len is not None:
+            _at_least("seq_len", self.seq_len, 2)
+        if self.warmup_steps is not None:
+            _at_least("warmup_steps", self.warmup_steps, 0)
+        if self.max_bytes is not None:
+            _at_least("max_bytes", self.max_bytes, 1024)
+        if not (isinstance(self.lr, (int, float)) and 0 < self.lr < 1):
+            raise ValueError(f"--lr must be a number in (0, 1), got {self.lr!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        if self.data is not None and not Path(self.data).exists():
+            raise ValueError(f"--data path {self.data!r} does not exist: pass a text file or "
+                             "directory, or leave --data out to use the Python standard library")
+
+    @property
+    def warmup(self) -> int:
+        """Resolved warmup length in steps."""
+        if self.warmup_steps is not None:
+            return min(self.warmup_steps, self.steps)
+        return min(100, max(1, self.steps // 10))
+
+    def model_config(self) -> GPTConfig:
+        """The model shape: the preset with ``seq_len`` applied."""
+        cfg = GPTConfig.named(self.model)
+        return cfg if self.seq_len is None else dataclasses.replace(cfg, seq_len=self.seq_len)
+
+
+def _at_least(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        flag = "--" + name.replace("_", "-")
+        raise ValueError(f"{flag} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Everything a run needs, as stored in ``config.json``."""
+
+    train: TrainOptions
+    """The training loop's options."""
+    engine: Config
+    """The engine's resolved configuration."""
+    world_size: int
+    """Ranks the run was launched with."""
+    launch: dict[str, Any] = field(default_factory=dict)
+    """Launcher options (ranks per node, nodes), for the record."""
+
+    def __post_init__(self) -> None:
+        if self.engine.micro_batch_size is None:
+            raise ValueError("the engine config needs micro_batch_size for a training run")
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {self.world_size!r}")
+
+    @property
+    def model(self) -> GPTConfig:
+        return self.train.model_config()
+
+    @property
+    def micro_batch(self) -> int:
+        assert self.engine.micro_batch_size is not None  # checked in __post_init__
+        return self.engine.micro_batch_size
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step over all ranks."""
+        return self.micro_batch * self.engine.gradient_accumulation_steps * self.world_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Training tokens per optimizer step over all ranks."""
+        return self.global_batch_size * self.model.seq_len
+
+    def derived(self) -> dict[str, Any]:
+        """Values computed from the options, stored for readers of ``config.json``."""
+        cfg = self.model
+        return {
+            "global_batch_size": self.global_batch_size,
+            "tokens_per_step": self.tokens_per_step,
+            "total_tokens": self.tokens_per_step * self.train.steps,
+            "num_params": cfg.param_count(),
+            "seq_len": cfg.seq_len,
+            "warmup_steps": self.train.warmup,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "train": dataclasses.asdict(self.train),
+            "shardwise": self.engine.to_dict(),
+            "model": dataclasses.asdict(self.model),
+            "world_size": self.world_size,
+            "launch": dict(self.launch),
+            "derived": self.derived(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        """Inverse of ``to_dict`` (``model`` and ``derived`` are recomputed, not read)."""
+        try:
+            return cls(train=TrainOptions(**data["train"]),
+                       engine=Config.from_dict(data["shardwise"]),
+                       world_size=int(data["world_size"]), launch=dict(data.get("launch", {})))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"run config is missing or has a bad entry: {exc}") from exc
+
+    def write(self, path: Path) -> None:
+        """Write ``config.json`` (to a temp name, then renamed into place)."""
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        tmp.replace(path)
+
+    @classmethod
+    def read(cls, path: Path) -> RunConfig:
+        if not path.is_file():
+            raise ValueError(f"{path} does not exist: is this a shardwise train run directory?")
+        return cls.from_dict(json.loads(path.read_text()))

@@ -1,0 +1,47 @@
+"""What every rank of ``shardwise train`` runs: ``python -m shardwise.train.worker RUN_DIR``.
+
+The launcher (``shardwise train``) validates the options and writes ``RUN_DIR/config.json``
+before starting the ranks; each rank reads it, trains, and exits with the run's exit code
+(130 after Ctrl-C, 143 after SIGTERM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import shardwise
+from shardwise.train.loop import Trainer
+from shardwise.train.options import RunConfig
+from shardwise.train.rundir import RunDir
+from shardwise.train.stop import StopRequest
+
+
+def _setup_logging(rank: int) -> None:
+    """Rank 0 logs progress; the others only warnings. Every line names its rank."""
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[rank {rank}] %(message)s", force=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shardwise.train.worker")
+    parser.add_argument("run_dir", type=Path, help="run directory holding config.json")
+    parser.add_argument("--resume", action="store_true", help="continue from its checkpoints")
+    args = parser.parse_args(argv)
+    run_dir = RunDir(args.run_dir).require()
+    run = RunConfig.read(run_dir.config)
+    # From here on a signal only asks to stop: a Ctrl-C during setup stops after the first step.
+    with StopRequest() as stop:
+        shardwise.init()
+        _setup_logging(shardwise.rank())
+        code = Trainer(run, run_dir, resume=args.resume).run(stop)
+        # no shutdown after an error: it would wait for ranks that the launcher now stops
+        shardwise.shutdown()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
