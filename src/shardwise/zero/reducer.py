@@ -50,33 +50,43 @@ class GradReducer:
             for slot, p in zip(f.slots, f.params):
                 self._slot[id(p)] = (i, slot)
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        self._ready: list[set[str]] = [set() for _ in self.flats]
-        self._next = 0
+        self._reset_pass()
         self._pending: list[_Pending] = []
         self.reduce_now = False
         self.reduce_last = True
 
     # ---- one backward pass ----
 
+    def _reset_pass(self) -> None:
+        self._ready: list[set[str]] = [set() for _ in self.flats]
+        self._fresh = [False] * len(self.flats)  # grad_full allocated in this pass (stages 2-3)
+        self._next = 0
+
     def begin(self, reduce_now: bool, last: bool = True) -> None:
         """Called before backward; ``reduce_now`` is False on micro-steps that only accumulate,
         ``last`` is True on the micro-step that ends the accumulation window."""
         self.reduce_now = reduce_now
         self.reduce_last = last
-        self._ready = [set() for _ in self.flats]
-        self._next = 0
-
-    def _grad_view(self, f: FlatParam, slot: ParamSlot) -> torch.Tensor:
-        if f.grad_full is None:  # stages 2-3: allocated when the buffer's first gradient lands
-            f.grad_full = torch.zeros(f.padded, dtype=f.dtypes.param, device=f.device)
-        return f.grad_full[slot.offset: slot.end].view(slot.shape)
+        self._reset_pass()
 
     def _on_grad(self, p: nn.Parameter) -> None:
         i, slot = self._slot[id(p)]
         f = self.flats[i]
-        view = self._grad_view(f, slot)
+        fresh = f.grad_full is None
+        if fresh:  # stages 2-3: allocated when the buffer's first gradient of this pass lands
+            f.grad_full = torch.empty(f.padded, dtype=f.dtypes.param, device=f.device)
+            f.grad_full[f.numel:].zero_()  # padding
+            self._fresh[i] = True
+        view = f.grad_full[slot.offset: slot.end].view(slot.shape)
         if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-            view.add_(p.grad)  # the grad was not written into our buffer: fold it in
+            # the grad was not written into our buffer: fold it in (the first one of a fresh
+            # buffer is a copy, which needs no zeroed buffer)
+            if self._fresh[i] and slot.name not in self._ready[i]:
+                view.copy_(p.grad)
+            else:
+                view.add_(p.grad)
+        elif self._fresh[i] and slot.name not in self._ready[i]:
+            view.zero_()
         p.grad = None if f.stage.shard_grads else view
         self._ready[i].add(slot.name)
         if self.reduce_now:
@@ -89,8 +99,13 @@ class GradReducer:
             self._next += 1
 
     def _launch(self, f: FlatParam) -> None:
+        i = self.flats.index(f)
         if f.grad_full is None:  # no parameter of this buffer got a gradient this pass
             f.grad_full = torch.zeros(f.padded, dtype=f.dtypes.param, device=f.device)
+        elif self._fresh[i]:  # parameters without a gradient this pass contribute zeros
+            for slot in f.slots:
+                if slot.name not in self._ready[i]:
+                    f.grad_full[slot.offset: slot.end].zero_()
         # reduce at reduce_dtype (fp32 by default) so small gradients survive the sum
         buf = f.grad_full if f.grad_full.dtype == f.dtypes.reduce else \
             f.grad_full.to(f.dtypes.reduce)
@@ -145,6 +160,7 @@ class GradReducer:
         self._next = 0
         self.finish()
         self.reduce_now = False
+        self._reset_pass()
 
     def comm_bytes(self) -> int:
         """Bytes of scratch buffers held by reductions in flight."""

@@ -28,8 +28,8 @@ def global_sumsq(flats: list[FlatParam], grads: list[torch.Tensor]) -> float:
     if not flats:
         return 0.0
     local = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
-    for g in grads:
-        local += g.float().pow(2).sum()
+    for g in grads:  # a norm per buffer: no temporary copy of the squares
+        local += torch.linalg.vector_norm(g, dtype=torch.float32).square()
     f = flats[0]
     if f.stage.shard_optimizer:
         t = local.to(f.device).reshape(1)
