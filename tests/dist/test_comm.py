@@ -236,3 +236,43 @@ def _failing_task():
 def test_harness_reports_failing_rank():
     with pytest.raises(RankError, match=r"(?s)rank 1.*boom on rank one"):
         run_on_ranks(2, _failing_task, timeout_s=30)
+
+
+def _large_all_gather_task():
+    """Messages above P2P_ALL_GATHER_MIN_BYTES take gloo's point-to-point path."""
+    from shardwise.comm import ops
+
+    w, r = shardwise.world_size(), shardwise.rank()
+    rows = ops.P2P_ALL_GATHER_MIN_BYTES // (4 * 64 * w) + 3
+    xs = _inputs(w, (rows, 64))
+    full = shardwise.all_gather(xs[r])
+    assert torch.equal(full, torch.cat(xs))
+    out = torch.empty(w * rows, 64)
+    h = shardwise.all_gather(xs[r], out=out, async_op=True)
+    h.wait()
+    assert torch.equal(out, torch.cat(xs))
+    g = shardwise.split(color=0, key=-r)  # reversed group-rank order
+    perm = shardwise.all_gather(xs[r], group=g)
+    assert torch.equal(perm, torch.cat([xs[i] for i in g.ranks]))
+    return shardwise.comm_stats()["all_gather"]["bytes"], rows
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_large_all_gather(world):
+    for nbytes, rows in run_on_ranks(world, _large_all_gather_task):
+        assert nbytes == 3 * world * rows * 64 * 4 + world * 2 * 8  # + split's key exchange
+
+
+def _inplace_reduce_scatter_task():
+    """``out`` aliasing this rank's own chunk of the input (how ZeRO stage 1 reduces)."""
+    w, r = shardwise.world_size(), shardwise.rank()
+    xs = _inputs(w, (4 * w,))
+    buf = xs[r].clone()
+    mine = buf[4 * r: 4 * r + 4]
+    shardwise.reduce_scatter(buf, op="avg", out=mine, inplace_ok=True)
+    torch.testing.assert_close(mine, torch.stack(xs).mean(0)[4 * r: 4 * r + 4])
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_reduce_scatter_into_own_chunk(world):
+    run_on_ranks(world, _inplace_reduce_scatter_task)

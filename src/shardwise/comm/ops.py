@@ -25,6 +25,8 @@ REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
                     torch.int8, torch.uint8, torch.int32, torch.int64)
 
+P2P_TAG = 0x5357  # gloo slots for point-to-point collectives (apart from user send/recv)
+
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -175,6 +177,9 @@ def all_gather(t: torch.Tensor, group: GroupLike = None, async_op: bool = False,
                          f"got {tuple(out.shape)} {out.dtype}")
     elif not out.is_contiguous():
         raise ValueError("all_gather: out is not contiguous")
+    if g.size > 1 and dist.get_backend(g.pg) == "gloo" and \
+            _nbytes(out) >= P2P_ALL_GATHER_MIN_BYTES:
+        return _all_gather_p2p(g, src, out, async_op, t)
     target = torch.empty_like(out) if g.permuted else out
 
     def issue() -> list[Any]:
@@ -192,6 +197,32 @@ def all_gather(t: torch.Tensor, group: GroupLike = None, async_op: bool = False,
     return _launch("all_gather", g, [t], _nbytes(out), issue, finish, async_op)
 
 
+P2P_ALL_GATHER_MIN_BYTES = 4 << 20  # below this, gloo's own all_gather is as fast
+
+
+def _all_gather_p2p(g: Group, src: torch.Tensor, out: torch.Tensor, async_op: bool,
+                    t: torch.Tensor) -> torch.Tensor | Handle:
+    """all_gather on gloo from isend/irecv straight into ``out``'s chunks: gloo's ring
+    all_gather slows down on large messages, a direct exchange does not."""
+    me = g.rank
+    parts = out.chunk(g.size)
+
+    def issue() -> list[Any]:
+        works = []
+        for j in range(g.size):
+            if j != me:
+                works.append(dist.isend(src, g.ranks[j], group=g.pg, tag=P2P_TAG + 1))
+                works.append(dist.irecv(parts[j], g.ranks[j], group=g.pg, tag=P2P_TAG + 1))
+        return works
+
+    def finish() -> torch.Tensor:
+        if parts[me].data_ptr() != src.data_ptr():
+            parts[me].copy_(src)
+        return out
+
+    return _launch("all_gather", g, [t], _nbytes(out), issue, finish, async_op)
+
+
 def all_gather_list(t: torch.Tensor, group: GroupLike = None) -> list[torch.Tensor]:
     """Every rank's ``t`` as a list in group-rank order (one all_gather)."""
     g = resolve(group)
@@ -204,9 +235,6 @@ def chunk_sizes(n: int, parts: int) -> list[int]:
     ``n % parts`` chunks are one longer."""
     q, r = divmod(n, parts)
     return [q + 1 if i < r else q for i in range(parts)]
-
-
-P2P_TAG = 0x5357  # gloo slot for the point-to-point reduce_scatter (apart from user send/recv)
 
 
 def reduce_scatter(t: torch.Tensor, op: str = "sum", group: GroupLike = None,
@@ -279,17 +307,19 @@ def _reduce_scatter_p2p(g: Group, op: str, chunks: list[torch.Tensor], out: torc
         return works
 
     def finish() -> torch.Tensor:
+        # group-rank order, accumulated in ``out`` (which may alias this rank's chunk: the
+        # first elementwise op reads it before writing)
         parts = [chunks[me] if j == me else received[j] for j in range(g.size)]
-        if op in ("sum", "avg"):
-            total = parts[0] + parts[1]
-            for p in parts[2:]:
-                total.add_(p)
-        else:
-            reduce = torch.maximum if op == "max" else torch.minimum
-            total = reduce(parts[0], parts[1])
-            for p in parts[2:]:
-                total = reduce(total, p)
-        out.copy_(total)
+        combine = {"sum": torch.add, "avg": torch.add, "max": torch.maximum,
+                   "min": torch.minimum}[op]
+        # accumulating into ``out`` is safe unless it aliases a part read after the first op
+        late_alias = me >= 2 and out.data_ptr() == chunks[me].data_ptr()
+        acc = torch.empty_like(out) if late_alias else out
+        combine(parts[0], parts[1], out=acc)
+        for part in parts[2:]:
+            combine(acc, part, out=acc)
+        if acc is not out:
+            out.copy_(acc)
         return _finish_avg(out, op, g.size)()
 
     return _launch("reduce_scatter", g, [src], _nbytes(src), issue, finish, async_op,
