@@ -14,7 +14,6 @@ from typing import Any
 
 from shardwise.cli.launch import add_launch_args, check_launch_args, launch
 from shardwise.config import PRECISIONS, Config
-from shardwise.train import checkpoints
 from shardwise.train.options import DEFAULT_STEPS, RunConfig, TrainOptions
 from shardwise.train.progress import format_duration, format_rate
 from shardwise.train.rundir import RunDir, latest_run_dir, new_run_dir
@@ -104,7 +103,7 @@ def _engine_config(args: argparse.Namespace, run_dir: RunDir) -> Config:
     if "gradient_clipping" not in from_file:
         values["gradient_clipping"] = DEFAULT_CLIPPING
     if "checkpoint_every" not in from_file:
-        values["checkpoint_every"] = DEFAULT_CHECKPOINT_EVERY if checkpoints.available() else 0
+        values["checkpoint_every"] = DEFAULT_CHECKPOINT_EVERY
     values.update({ENGINE_FLAGS[k]: v for k, v in _given(args, list(ENGINE_FLAGS)).items()})
     if args.activation_checkpointing:
         values["activation_checkpointing"] = ["Block"]
@@ -142,8 +141,6 @@ def _changed_on_resume(args: argparse.Namespace, run: RunConfig) -> list[str]:
 
 
 def _resumed_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir]:
-    if not checkpoints.available():
-        raise ValueError("--resume needs sharded checkpoints, which this build cannot save")
     run_dir = (RunDir(args.run_dir) if args.run_dir else latest_run_dir()).require()
     run = RunConfig.read(run_dir.config)
     changed = _changed_on_resume(args, run)
@@ -178,7 +175,7 @@ def _report(run_dir: RunDir, code: int) -> None:
           f"(unigram baseline {base:.3f}), {format_rate(rate) if rate else 'n/a'} at "
           f"{summary['world_size']} ranks, wall time {format_duration(summary['wall_time_s'])}")
     print(f"run directory: {run_dir.root}")
-    if summary["status"] != "finished" and checkpoints.available():
+    if summary["status"] != "finished":
         print(f"continue with: shardwise train --run-dir {run_dir.root} --resume")
     print(f"plots: shardwise report {run_dir.root}    sample: shardwise generate "
           f"{run_dir.root} --prompt 'def '")

@@ -22,11 +22,6 @@ from shardwise.models.gpt import GPT, GPTConfig
 log = logging.getLogger("shardwise.train")
 
 
-def available() -> bool:
-    """Whether this build can save and resume sharded training checkpoints."""
-    return callable(getattr(Engine, "save", None)) and callable(getattr(Engine, "resume", None))
-
-
 def save(engine: Engine, sampler: DistributedBatchSampler) -> Path:
     """Save engine, optimizer and sampler position as a checkpoint of ``engine.global_step``
     into ``engine.config.checkpoint_dir``; call on every rank, after ``engine.step()``.
@@ -39,9 +34,7 @@ def save(engine: Engine, sampler: DistributedBatchSampler) -> Path:
 
 def finish_saving(engine: Engine) -> None:
     """Block until a background save is committed (no-op for synchronous saves)."""
-    wait = getattr(engine, "wait_for_checkpoint", None)
-    if wait is not None:
-        wait()
+    engine.wait_for_checkpoint()
 
 
 def resume(engine: Engine, sampler: DistributedBatchSampler) -> int | None:
@@ -49,8 +42,6 @@ def resume(engine: Engine, sampler: DistributedBatchSampler) -> int | None:
     ``engine`` and ``sampler`` (``config.resume`` must be "auto"); call on every rank.
     Returns the step it holds, or None when there is none to resume from.
     """
-    if not available():
-        raise ValueError("this build cannot resume: the engine has no checkpoint support")
     state = engine.resume(sampler=sampler)
     return None if state is None else engine.global_step
 
@@ -75,7 +66,7 @@ def save_final_model(engine: Engine, path: Path, step: int, is_writer: bool) -> 
 
 def _from_checkpoint(root: Path) -> tuple[dict[str, torch.Tensor], int] | None:
     """The model state and step of the newest committed checkpoint under ``root``."""
-    if not root.is_dir() or not available():
+    if not root.is_dir():
         return None
     from shardwise.checkpoint import CheckpointError, CheckpointReader
     from shardwise.checkpoint.engine_state import read_model_state

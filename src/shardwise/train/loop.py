@@ -147,7 +147,7 @@ class Trainer:
     def _save_checkpoint(self) -> None:
         """Save unless this optimizer step is saved already (an fp16 step skipped on overflow
         leaves ``global_step`` where it was, and a checkpoint is never written twice)."""
-        if self.saved_step == self.engine.global_step or not checkpoints.available():
+        if self.saved_step == self.engine.global_step:
             return
         checkpoints.save(self.engine, self.sampler)
         self.saved_step = self.engine.global_step
