@@ -296,7 +296,12 @@ def _reduce_scatter_p2p(g: Group, op: str, chunks: list[torch.Tensor], out: torc
                         async_op: bool, src: torch.Tensor) -> torch.Tensor | Handle:
     """reduce_scatter on gloo from isend/irecv: chunk j goes to group rank j."""
     me = g.rank
-    received = {j: torch.empty_like(chunks[me]) for j in range(g.size) if j != me}
+    # Two ranks: the peer's chunk can land straight in ``out`` (one add, no extra buffer)
+    # unless ``out`` is this rank's own chunk of the input.
+    direct = g.size == 2 and out.data_ptr() != chunks[me].data_ptr() and \
+        out.is_contiguous() and op in ("sum", "avg")
+    received = {j: (out if direct else torch.empty_like(chunks[me]))
+                for j in range(g.size) if j != me}
 
     def issue() -> list[Any]:
         works = []
@@ -309,6 +314,9 @@ def _reduce_scatter_p2p(g: Group, op: str, chunks: list[torch.Tensor], out: torc
     def finish() -> torch.Tensor:
         # group-rank order, accumulated in ``out`` (which may alias this rank's chunk: the
         # first elementwise op reads it before writing)
+        if direct:  # a + b == b + a exactly: the same result as the general order
+            out.add_(chunks[me])
+            return _finish_avg(out, op, g.size)()
         parts = [chunks[me] if j == me else received[j] for j in range(g.size)]
         combine = {"sum": torch.add, "avg": torch.add, "max": torch.maximum,
                    "min": torch.minimum}[op]
