@@ -24,15 +24,14 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from provenance import source_version
 
 import shardwise
 from shardwise.testing import RankPool
@@ -177,18 +176,6 @@ def table(rows: list[dict]) -> str:
                      f"{r['time_vs_raw']:.2f} | {r['busbw_vs_raw']:.2f} |")
     return "\n".join(lines)
 
-
-def source_version() -> str:
-    """The commit of the checkout this file sits in, ``+dirty`` when ``src/`` has edits."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "src"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (head or "unknown") + ("+dirty" if dirty else "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from provenance import source_version
 
 from shardwise.models import GPT, GPTConfig
 
@@ -401,18 +402,6 @@ def tables(rows: list[dict[str, Any]]) -> str:
                          f"{c['exposed_s']:.3f} |")
     return "\n".join(lines)
 
-
-def source_version() -> str:
-    """The commit of the checkout this file sits in, ``+dirty`` when ``src/`` has edits."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "src"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (head or "unknown") + ("+dirty" if dirty else "")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

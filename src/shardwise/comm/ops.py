@@ -163,7 +163,8 @@ def broadcast(t: torch.Tensor, src: int = 0, group: GroupLike = None,
 def all_gather(t: torch.Tensor, group: GroupLike = None, async_op: bool = False,
                out: torch.Tensor | None = None) -> torch.Tensor | Handle:
     """Concatenate every rank's ``t`` along dim 0 in group-rank order (a 0-d tensor counts as
-    one element). Every rank must pass the same shape.
+    one element). Every rank must pass the same shape; ``t`` may be this rank's chunk of
+    ``out``.
 
     Communicates: all_gather (payload: the gathered output's bytes)."""
     g = resolve(group)
@@ -181,6 +182,8 @@ def all_gather(t: torch.Tensor, group: GroupLike = None, async_op: bool = False,
             _nbytes(out) >= P2P_ALL_GATHER_MIN_BYTES:
         return _all_gather_p2p(g, src, out, async_op, t)
     target = torch.empty_like(out) if g.permuted else out
+    if g.size > 1 and src.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+        src = src.clone()  # the input is a slice of the output: not every backend allows that
 
     def issue() -> list[Any]:
         return [_all_gather_single(target, src, group=g.pg, async_op=True)]

@@ -200,9 +200,7 @@ class FlatParam:
                 target.copy_(self.master, non_blocking=True)
         if not self.stage.gather_after_step:
             return None
-        # a copy: the input must not alias the output on every backend
-        return comm.all_gather(self.shard.clone(), group=self.group, out=self.full,
-                               async_op=True)
+        return comm.all_gather(self.shard, group=self.group, out=self.full, async_op=True)
 
     # ---- checkpoints and state dicts ----
 

@@ -34,7 +34,6 @@ class ParamSchedule:
 
     def __init__(self, modules: list[nn.Module], needs: list[list[FlatParam]],
                  prefetch: int = 1) -> None:
-        self.modules = modules
         self.needs = {id(m): n for m, n in zip(modules, needs)}
         self.prefetch = prefetch
         self._users: dict[int, int] = {}

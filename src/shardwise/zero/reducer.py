@@ -95,11 +95,11 @@ class GradReducer:
     def _launch_ready(self) -> None:
         while self._next < len(self.flats) and \
                 len(self._ready[self._next]) == len(self.flats[self._next].slots):
-            self._launch(self.flats[self._next])
+            self._launch(self._next)
             self._next += 1
 
-    def _launch(self, f: FlatParam) -> None:
-        i = self.flats.index(f)
+    def _launch(self, i: int) -> None:
+        f = self.flats[i]
         if f.grad_full is None:  # no parameter of this buffer got a gradient this pass
             f.grad_full = torch.zeros(f.padded, dtype=f.dtypes.param, device=f.device)
         elif self._fresh[i]:  # parameters without a gradient this pass contribute zeros
@@ -149,7 +149,7 @@ class GradReducer:
         wait for every reduction."""
         if self.reduce_now:
             while self._next < len(self.flats):
-                self._launch(self.flats[self._next])
+                self._launch(self._next)
                 self._next += 1
         while self._pending:
             self._complete(self._pending.pop(0))
