@@ -33,20 +33,28 @@ from shardwise.testing import RankPool
 MiB = 1 << 20
 
 
-def _one_mode(stage: int, precision: str, checkpointing: bool, steps: int, warmup: int,
-              micro_batch: int) -> dict:
+def _one_mode(
+    stage: int, precision: str, checkpointing: bool, steps: int, warmup: int, micro_batch: int
+) -> dict:
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", shardwise.rank() % torch.cuda.device_count()) if cuda \
+    device = (
+        torch.device("cuda", shardwise.rank() % torch.cuda.device_count())
+        if cuda
         else torch.device("cpu")
+    )
     torch.manual_seed(0)
     cfg = GPTConfig.named("anchor")
     model = GPT(cfg).to(device)
     engine = shardwise.initialize(
-        model, torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95),
-                                 weight_decay=0.1),
-        shardwise.Config(zero_stage=stage, precision=precision,
-                         activation_checkpointing=["Block"] if checkpointing else None))
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1),
+        shardwise.Config(
+            zero_stage=stage,
+            precision=precision,
+            activation_checkpointing=["Block"] if checkpointing else None,
+        ),
+    )
     weights = {f.full.untyped_storage().data_ptr() for f in engine.flats}
     saved: dict[int, int] = {}
 
@@ -77,13 +85,21 @@ def _one_mode(stage: int, precision: str, checkpointing: bool, steps: int, warmu
             torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() if cuda else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if cuda
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
     mem = engine.memory()
     elem = torch.empty(0, dtype=engine.dtypes.param).element_size()
-    return {"step_s": statistics.median(times), "kept": kept, "peak": peak,
-            "block_input": micro_batch * cfg.seq_len * cfg.d_model * elem,
-            "layers": cfg.n_layer, "state": mem["params"] + mem["grads"] + mem["optimizer"]}
+    return {
+        "step_s": statistics.median(times),
+        "kept": kept,
+        "peak": peak,
+        "block_input": micro_batch * cfg.seq_len * cfg.d_model * elem,
+        "layers": cfg.n_layer,
+        "state": mem["params"] + mem["grads"] + mem["optimizer"],
+    }
 
 
 def main() -> None:
@@ -100,8 +116,16 @@ def main() -> None:
     for checkpointing in (False, True):
         pool = RankPool(args.world_size, pg_timeout_s=600)
         try:
-            res = pool.run(_one_mode, args.stage, args.precision, checkpointing, args.steps,
-                           args.warmup, args.micro_batch, timeout_s=3600)
+            res = pool.run(
+                _one_mode,
+                args.stage,
+                args.precision,
+                checkpointing,
+                args.steps,
+                args.warmup,
+                args.micro_batch,
+                timeout_s=3600,
+            )
         finally:
             pool.close()
         rows["checkpointed" if checkpointing else "plain"] = res[0]
@@ -112,18 +136,26 @@ def main() -> None:
     plain["recompute"] = 0
     ckpt["recompute"] = (plain["kept"] - outside) // ckpt["layers"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(f"\nGPT anchor (23.2M params), world size {args.world_size}, ZeRO stage {args.stage}, "
-          f"{args.precision}, micro-batch {args.micro_batch}, {device}; medians of "
-          f"{args.steps} steps\n")
-    print("| mode | activations kept (MiB) | peak activations (MiB) | peak per rank (MiB) "
-          "| model states (MiB) | step s |")
+    print(
+        f"\nGPT anchor (23.2M params), world size {args.world_size}, ZeRO stage {args.stage}, "
+        f"{args.precision}, micro-batch {args.micro_batch}, {device}; medians of "
+        f"{args.steps} steps\n"
+    )
+    print(
+        "| mode | activations kept (MiB) | peak activations (MiB) | peak per rank (MiB) "
+        "| model states (MiB) | step s |"
+    )
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {r['kept'] / MiB:.1f} | {(r['kept'] + r['recompute']) / MiB:.1f} | "
-              f"{r['peak'] / MiB:.0f} | {r['state'] / MiB:.1f} | {r['step_s']:.3f} |")
-    print(f"\npeak activation memory with checkpointing: "
-          f"{(ckpt['kept'] + ckpt['recompute']) / plain['kept']:.3f}x of plain; "
-          f"recompute step-time cost: {ckpt['step_s'] / plain['step_s']:.3f}x")
+        print(
+            f"| {name} | {r['kept'] / MiB:.1f} | {(r['kept'] + r['recompute']) / MiB:.1f} | "
+            f"{r['peak'] / MiB:.0f} | {r['state'] / MiB:.1f} | {r['step_s']:.3f} |"
+        )
+    print(
+        f"\npeak activation memory with checkpointing: "
+        f"{(ckpt['kept'] + ckpt['recompute']) / plain['kept']:.3f}x of plain; "
+        f"recompute step-time cost: {ckpt['step_s'] / plain['step_s']:.3f}x"
+    )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=2)

@@ -116,11 +116,13 @@ def _rank0_rmtree(path: Path) -> None:
 
 # ---- shardwise ----
 
+
 def _bench_shardwise(cfg: GPTConfig, stage: int, reps: int, root: Path) -> dict[str, Timings]:
     torch.manual_seed(0)
     model = GPT(cfg)
-    engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
-                                  shardwise.Config(zero_stage=stage))
+    engine = shardwise.initialize(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-4), shardwise.Config(zero_stage=stage)
+    )
     x, y = _batch(cfg)
 
     def step() -> None:
@@ -163,11 +165,15 @@ def _bench_shardwise(cfg: GPTConfig, stage: int, reps: int, root: Path) -> dict[
         background["save_bytes"] = (out / shard_name).stat().st_size
     writer.close()
     _rank0_rmtree(root / "sw-async")
-    return {"shardwise sync": sync, "shardwise sync, no read-back": unchecked,
-            "shardwise async": background}
+    return {
+        "shardwise sync": sync,
+        "shardwise sync, no read-back": unchecked,
+        "shardwise async": background,
+    }
 
 
 # ---- torch.save of the full state ----
+
 
 def _bench_torch_save(cfg: GPTConfig, reps: int, root: Path) -> dict[str, Timings]:
     torch.manual_seed(0)
@@ -205,6 +211,7 @@ def _bench_torch_save(cfg: GPTConfig, reps: int, root: Path) -> dict[str, Timing
 
 
 # ---- torch.distributed.checkpoint with FSDP2 ----
+
 
 def _local_bytes(state: Any) -> int:
     """Bytes of this rank's tensors in a (nested) state dict; a DTensor counts its shard."""
@@ -294,6 +301,7 @@ def rank_task(model_name: str, stage: int, reps: int, root: str) -> dict[str, Ti
 
 # ---- report ----
 
+
 def summarize(per_rank: list[dict[str, Timings]]) -> list[dict[str, Any]]:
     rows = []
     for system in per_rank[0]:
@@ -304,11 +312,16 @@ def summarize(per_rank: list[dict[str, Timings]]) -> list[dict[str, Any]]:
                 return None
             return statistics.median(max(vals) for vals in zip(*(r[key] for r in ranks)))
 
-        row: dict[str, Any] = {"system": system, "stall": slowest("stall"),
-                               "total": slowest("total"), "load": slowest("load"),
-                               "save_mb": max(r["save_bytes"] for r in ranks) / 1e6,
-                               "load_mb": (max(r["load_bytes"] for r in ranks) / 1e6
-                                           if "load_bytes" in ranks[0] else None)}
+        row: dict[str, Any] = {
+            "system": system,
+            "stall": slowest("stall"),
+            "total": slowest("total"),
+            "load": slowest("load"),
+            "save_mb": max(r["save_bytes"] for r in ranks) / 1e6,
+            "load_mb": (
+                max(r["load_bytes"] for r in ranks) / 1e6 if "load_bytes" in ranks[0] else None
+            ),
+        }
         if "step_during" in ranks[0]:
             row["step_alone"] = statistics.median(v for r in ranks for v in r["step_alone"])
             row["step_during"] = statistics.median(v for r in ranks for v in r["step_during"])
@@ -322,9 +335,11 @@ def _f(value: float | None, fmt: str) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     ref = next(r for r in rows if r["system"] == "shardwise sync")
-    head = ("| system | MB written / rank | save stall s | stall vs shardwise sync | save total "
-            "s | save MB/s / rank | MB loaded / rank | load s | load MB/s / rank | step alone s "
-            "| step during s |")
+    head = (
+        "| system | MB written / rank | save stall s | stall vs shardwise sync | save total "
+        "s | save MB/s / rank | MB loaded / rank | load s | load MB/s / rank | step alone s "
+        "| step during s |"
+    )
     lines = [head, "|" + "---|" * 11]
     for r in rows:
         save_rate = r["save_mb"] / r["total"] if r["save_mb"] else None
@@ -333,7 +348,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['system']} | {r['save_mb']:.0f} | {r['stall']:.3f} | "
             f"{r['stall'] / ref['stall']:.3f} | {r['total']:.2f} | {_f(save_rate, '.0f')} | "
             f"{_f(r['load_mb'], '.0f')} | {_f(r['load'], '.2f')} | {_f(load_rate, '.0f')} | "
-            f"{_f(r.get('step_alone'), '.2f')} | {_f(r.get('step_during'), '.2f')} |")
+            f"{_f(r.get('step_alone'), '.2f')} | {_f(r.get('step_during'), '.2f')} |"
+        )
     return "\n".join(lines)
 
 
@@ -352,15 +368,23 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     pool = RankPool(WORLD_SIZE, pg_timeout_s=300)
     try:
-        per_rank = pool.run(rank_task, args.model, args.zero_stage, args.reps, str(root),
-                            timeout_s=3600)
+        per_rank = pool.run(
+            rank_task, args.model, args.zero_stage, args.reps, str(root), timeout_s=3600
+        )
     finally:
         pool.close()
         shutil.rmtree(root, ignore_errors=True)
     cfg = GPTConfig.named(args.model)
-    log.info("GPT %s (%.1fM params), AdamW, fp32, world size %d on CPU/gloo, shardwise ZeRO "
-             "stage %d, DCP on FSDP2; median of %d reps, slowest rank (torch %s)", args.model,
-             cfg.param_count() / 1e6, WORLD_SIZE, args.zero_stage, args.reps, torch.__version__)
+    log.info(
+        "GPT %s (%.1fM params), AdamW, fp32, world size %d on CPU/gloo, shardwise ZeRO "
+        "stage %d, DCP on FSDP2; median of %d reps, slowest rank (torch %s)",
+        args.model,
+        cfg.param_count() / 1e6,
+        WORLD_SIZE,
+        args.zero_stage,
+        args.reps,
+        torch.__version__,
+    )
     log.info("%s", table(summarize(per_rank)))
     log.info("total wall time %.1f s", time.perf_counter() - t0)
     return 0

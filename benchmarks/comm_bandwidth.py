@@ -79,23 +79,27 @@ def _callables(op: str, numel: int) -> dict[str, Callable[[], None]]:
         # Zeros: summing them in place any number of times stays finite (the values do not
         # change what gloo does).
         t = torch.zeros(numel)
-        return {"shardwise": lambda: shardwise.all_reduce(t, op="sum"),
-                "raw": lambda: dist.all_reduce(t)}
+        return {
+            "shardwise": lambda: shardwise.all_reduce(t, op="sum"),
+            "raw": lambda: dist.all_reduce(t),
+        }
     if op == "all_gather":
         shard = torch.full((shard_numel,), float(r))
         full = torch.empty(numel)
 
         def swap_halves() -> None:
             # What an all_gather needs at 2 ranks: one exchange of the shards.
-            full[r * shard_numel: (r + 1) * shard_numel].copy_(shard)
+            full[r * shard_numel : (r + 1) * shard_numel].copy_(shard)
             sent = dist.isend(shard, 1 - r)
-            got = dist.irecv(full[(1 - r) * shard_numel: (2 - r) * shard_numel], 1 - r)
+            got = dist.irecv(full[(1 - r) * shard_numel : (2 - r) * shard_numel], 1 - r)
             sent.wait()
             got.wait()
 
-        return {"shardwise": lambda: shardwise.all_gather(shard, out=full),
-                "raw": lambda: _raw_all_gather(full, shard),
-                "p2p": swap_halves}
+        return {
+            "shardwise": lambda: shardwise.all_gather(shard, out=full),
+            "raw": lambda: _raw_all_gather(full, shard),
+            "p2p": swap_halves,
+        }
     full_in = torch.zeros(numel)
     out = torch.empty(shard_numel)
     peer_half = torch.empty(shard_numel)
@@ -104,17 +108,20 @@ def _callables(op: str, numel: int) -> dict[str, Callable[[], None]]:
     def exchange() -> None:
         # What a reduce_scatter needs at 2 ranks: send the peer its half, add the peer's copy of
         # ours. Moves (n-1)/n of the tensor per rank, half an all_reduce's traffic.
-        sent = dist.isend(full_in[peer * shard_numel: (peer + 1) * shard_numel], peer)
+        sent = dist.isend(full_in[peer * shard_numel : (peer + 1) * shard_numel], peer)
         got = dist.irecv(peer_half, peer)
         sent.wait()
         got.wait()
-        torch.add(full_in[r * shard_numel: (r + 1) * shard_numel], peer_half, out=out)
+        torch.add(full_in[r * shard_numel : (r + 1) * shard_numel], peer_half, out=out)
 
-    return {"shardwise": lambda: shardwise.reduce_scatter(full_in, op="sum", out=out),
-            "shardwise-inplace": lambda: shardwise.reduce_scatter(full_in, op="sum", out=out,
-                                                                  inplace_ok=True),
-            "raw": lambda: _raw_reduce_scatter(out, full_in),
-            "p2p": exchange}
+    return {
+        "shardwise": lambda: shardwise.reduce_scatter(full_in, op="sum", out=out),
+        "shardwise-inplace": lambda: shardwise.reduce_scatter(
+            full_in, op="sum", out=out, inplace_ok=True
+        ),
+        "raw": lambda: _raw_reduce_scatter(out, full_in),
+        "p2p": exchange,
+    }
 
 
 def _time_one(call: Callable[[], None]) -> float:
@@ -155,9 +162,18 @@ def summarize(per_rank: list[dict[str, list[float]]], sizes_mib: list[int]) -> l
             slowest = [max(ts) for ts in zip(*(r[key] for r in per_rank))]
             med = statistics.median(slowest)
             algbw = nbytes / med / 1e9
-            rows.append({"size_mib": mib, "op": v.op, "system": v.system, "call": v.label,
-                         "median_s": med, "min_s": min(slowest), "algbw_gbs": algbw,
-                         "busbw_gbs": algbw * bus_factor(v.op, n)})
+            rows.append(
+                {
+                    "size_mib": mib,
+                    "op": v.op,
+                    "system": v.system,
+                    "call": v.label,
+                    "median_s": med,
+                    "min_s": min(slowest),
+                    "algbw_gbs": algbw,
+                    "busbw_gbs": algbw * bus_factor(v.op, n),
+                }
+            )
     raw = {(r["size_mib"], r["op"]): r for r in rows if r["system"] == "raw"}
     for r in rows:
         base = raw[(r["size_mib"], r["op"])]
@@ -167,21 +183,26 @@ def summarize(per_rank: list[dict[str, list[float]]], sizes_mib: list[int]) -> l
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| size | call | median ms | min ms | algbw GB/s | busbw GB/s | time / raw "
-            "| busbw / raw |")
+    head = (
+        "| size | call | median ms | min ms | algbw GB/s | busbw GB/s | time / raw | busbw / raw |"
+    )
     lines = [head, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['size_mib']} MiB | {r['call']} | {r['median_s'] * 1e3:.2f} | "
-                     f"{r['min_s'] * 1e3:.2f} | {r['algbw_gbs']:.3f} | {r['busbw_gbs']:.3f} | "
-                     f"{r['time_vs_raw']:.2f} | {r['busbw_vs_raw']:.2f} |")
+        lines.append(
+            f"| {r['size_mib']} MiB | {r['call']} | {r['median_s'] * 1e3:.2f} | "
+            f"{r['min_s'] * 1e3:.2f} | {r['algbw_gbs']:.3f} | {r['busbw_gbs']:.3f} | "
+            f"{r['time_vs_raw']:.2f} | {r['busbw_vs_raw']:.2f} |"
+        )
     return "\n".join(lines)
-
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="1,16,256",
-                    help="comma-separated full-tensor sizes in MiB (default 1,16,256)")
+    ap.add_argument(
+        "--sizes",
+        default="1,16,256",
+        help="comma-separated full-tensor sizes in MiB (default 1,16,256)",
+    )
     ap.add_argument("--iters", type=int, default=30, help="timed iterations per op and size")
     ap.add_argument("--warmup", type=int, default=3, help="untimed iterations per op and size")
     args = ap.parse_args(argv)
@@ -199,9 +220,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         pool.close()
     rows = summarize(per_rank, sizes)
-    log.info("gloo, world size %d, fp32, %d warm-up + %d timed iterations per op and size; "
-             "median of the slowest rank per iteration (torch %s, shardwise %s)", WORLD_SIZE,
-             args.warmup, args.iters, torch.__version__, version)
+    log.info(
+        "gloo, world size %d, fp32, %d warm-up + %d timed iterations per op and size; "
+        "median of the slowest rank per iteration (torch %s, shardwise %s)",
+        WORLD_SIZE,
+        args.warmup,
+        args.iters,
+        torch.__version__,
+        version,
+    )
     log.info("%s", table(rows))
     log.info("total wall time %.1f s", time.perf_counter() - t0)
     return 0

@@ -61,20 +61,37 @@ MODEL = "anchor"
 OPTIM = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
 MiB = 1 << 20
 SYSTEMS = {
-    "sw0": "shardwise ZeRO-0", "sw1": "shardwise ZeRO-1", "sw2": "shardwise ZeRO-2",
-    "sw3": "shardwise ZeRO-3", "ddp": "torch DDP", "fsdp2": "torch FSDP2 fully_shard",
-    "ds1": "DeepSpeed ZeRO-1", "ds2": "DeepSpeed ZeRO-2", "ds3": "DeepSpeed ZeRO-3",
+    "sw0": "shardwise ZeRO-0",
+    "sw1": "shardwise ZeRO-1",
+    "sw2": "shardwise ZeRO-2",
+    "sw3": "shardwise ZeRO-3",
+    "ddp": "torch DDP",
+    "fsdp2": "torch FSDP2 fully_shard",
+    "ds1": "DeepSpeed ZeRO-1",
+    "ds2": "DeepSpeed ZeRO-2",
+    "ds3": "DeepSpeed ZeRO-3",
 }
-DS_CONFIG = {"train_micro_batch_size_per_gpu": SEQS_PER_RANK, "gradient_accumulation_steps": 1,
-             "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
-             "wall_clock_breakdown": False}
+DS_CONFIG = {
+    "train_micro_batch_size_per_gpu": SEQS_PER_RANK,
+    "gradient_accumulation_steps": 1,
+    "zero_allow_untested_optimizer": True,
+    "steps_per_print": 10**9,
+    "wall_clock_breakdown": False,
+}
 # DeepSpeed ZeRO optimizer attributes that hold model state (flat master, gradient partitions)
-DS_STATE_ATTRS = ("bit16_groups_flat", "single_partition_of_fp32_groups", "averaged_gradients",
-                  "grads_in_partition", "fp16_partitioned_groups_flat",
-                  "fp32_partitioned_groups_flat", "grad_partitions_flat_buffer")
+DS_STATE_ATTRS = (
+    "bit16_groups_flat",
+    "single_partition_of_fp32_groups",
+    "averaged_gradients",
+    "grads_in_partition",
+    "fp16_partitioned_groups_flat",
+    "fp32_partitioned_groups_flat",
+    "grad_partitions_flat_buffer",
+)
 
 
 # ---- on every rank ----
+
 
 @dataclass
 class Trainer:
@@ -113,15 +130,21 @@ def storage_bytes(tensors: list[torch.Tensor]) -> int:
 
 def _optimizer_states(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     # skip 0-d step counters: they are not model state
-    return [v for s in opt.state.values() for v in s.values()
-            if isinstance(v, torch.Tensor) and v.numel() > 1]
+    return [
+        v
+        for s in opt.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.numel() > 1
+    ]
 
 
 def _torch_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
     params = list(model.parameters())
-    return {"params": storage_bytes(params),
-            "grads": storage_bytes([p.grad for p in params if p.grad is not None]),
-            "optimizer": storage_bytes(_optimizer_states(opt))}
+    return {
+        "params": storage_bytes(params),
+        "grads": storage_bytes([p.grad for p in params if p.grad is not None]),
+        "optimizer": storage_bytes(_optimizer_states(opt)),
+    }
 
 
 def _shardwise(model: torch.nn.Module, stage: int) -> Trainer:
@@ -147,8 +170,7 @@ def _ddp(model: torch.nn.Module) -> Trainer:
         opt.step()
         opt.zero_grad()
 
-    return Trainer(ddp, lambda loss: loss.backward(), step,
-                   lambda: _torch_state_bytes(model, opt))
+    return Trainer(ddp, lambda loss: loss.backward(), step, lambda: _torch_state_bytes(model, opt))
 
 
 def _fsdp2(model: torch.nn.Module) -> Trainer:
@@ -163,8 +185,9 @@ def _fsdp2(model: torch.nn.Module) -> Trainer:
         opt.step()
         opt.zero_grad()
 
-    return Trainer(model, lambda loss: loss.backward(), step,
-                   lambda: _torch_state_bytes(model, opt))
+    return Trainer(
+        model, lambda loss: loss.backward(), step, lambda: _torch_state_bytes(model, opt)
+    )
 
 
 def _deepspeed(model: torch.nn.Module, stage: int) -> Trainer:
@@ -188,9 +211,12 @@ def _deepspeed(model: torch.nn.Module, stage: int) -> Trainer:
         # storage once, parameters first, then the fp32 master and gradient partitions.
         params_b = storage_bytes(own)
         flat_b = storage_bytes(own + held) - params_b
-        return {"params": params_b, "ds_flat": flat_b,
-                "param_grads": storage_bytes(own + held + grads) - params_b - flat_b,
-                "optimizer": storage_bytes(states)}
+        return {
+            "params": params_b,
+            "ds_flat": flat_b,
+            "param_grads": storage_bytes(own + held + grads) - params_b - flat_b,
+            "optimizer": storage_bytes(states),
+        }
 
     return Trainer(engine, engine.backward, engine.step, state)
 
@@ -207,7 +233,7 @@ def batches(n: int, rank: int, vocab: int, seq: int) -> list[tuple[torch.Tensor,
     """The same ``n`` global batches for every system; this rank's sequences of each."""
     g = torch.Generator().manual_seed(1234)
     data = torch.randint(0, vocab, (n, WORLD_SIZE * SEQS_PER_RANK, seq + 1), generator=g)
-    mine = data[:, rank * SEQS_PER_RANK: (rank + 1) * SEQS_PER_RANK]
+    mine = data[:, rank * SEQS_PER_RANK : (rank + 1) * SEQS_PER_RANK]
     return [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in mine]
 
 
@@ -227,8 +253,9 @@ def _profile(trainer: Trainer, data: list[tuple[torch.Tensor, torch.Tensor]]) ->
             dist.barrier()
             trainer.backward(trainer.forward(x, y))
             trainer.step()
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25,
-                                     max_name_column_width=60)
+    return prof.key_averages().table(
+        sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60
+    )
 
 
 def _exposed_so_far(system: str) -> float:
@@ -249,8 +276,9 @@ def train_task(system: str, steps: int, warmup: int, profile_steps: int = 0) -> 
     model = GPT(cfg)
     trainer = _build(system, model)
     data = batches(warmup + steps + profile_steps, rank, cfg.vocab_size, cfg.seq_len)
-    rec: dict[str, list[Any]] = {k: [] for k in ("step_s", "fwd_s", "bwd_s", "opt_s", "cpu_s",
-                                                  "loss", "comm")}
+    rec: dict[str, list[Any]] = {
+        k: [] for k in ("step_s", "fwd_s", "bwd_s", "opt_s", "cpu_s", "loss", "comm")
+    }
     state: dict[str, int] = {}
     for i, (x, y) in enumerate(data[: warmup + steps]):
         dist.barrier()
@@ -282,17 +310,21 @@ def train_task(system: str, steps: int, warmup: int, profile_steps: int = 0) -> 
             rec["comm"].append(snap)
         else:
             rec["comm"].append(None)
-    out = {**rec, "state": state, "threads": torch.get_num_threads(),
-           "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    out = {
+        **rec,
+        "state": state,
+        "threads": torch.get_num_threads(),
+        "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
     if profile_steps:  # after the peak-RSS reading: the profiler's own memory is not counted
-        out["profile"] = _profile(trainer, data[warmup + steps:])
+        out["profile"] = _profile(trainer, data[warmup + steps :])
     return out
 
 
 # ---- in the launching process ----
 
-def run_here(system: str, steps: int, warmup: int, profile_steps: int = 0
-             ) -> list[dict[str, Any]]:
+
+def run_here(system: str, steps: int, warmup: int, profile_steps: int = 0) -> list[dict[str, Any]]:
     from shardwise.testing import RankPool
 
     pool = RankPool(WORLD_SIZE, pg_timeout_s=600.0, start_timeout_s=300.0)
@@ -302,21 +334,39 @@ def run_here(system: str, steps: int, warmup: int, profile_steps: int = 0
         pool.close()
 
 
-def run_subprocess(python: str, system: str, steps: int, warmup: int, profile_steps: int = 0
-                   ) -> list[dict[str, Any]]:
+def run_subprocess(
+    python: str, system: str, steps: int, warmup: int, profile_steps: int = 0
+) -> list[dict[str, Any]]:
     """One system in another interpreter (DeepSpeed's virtual environment)."""
     src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ranks.json"
-        cmd = [python, str(Path(__file__).resolve()), "--systems", system, "--steps", str(steps),
-               "--warmup", str(warmup), "--rounds", "1", "--profile-steps", str(profile_steps),
-               "--ranks-json", str(out)]
+        cmd = [
+            python,
+            str(Path(__file__).resolve()),
+            "--systems",
+            system,
+            "--steps",
+            str(steps),
+            "--warmup",
+            str(warmup),
+            "--rounds",
+            "1",
+            "--profile-steps",
+            str(profile_steps),
+            "--ranks-json",
+            str(out),
+        ]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0:
-            raise RuntimeError(f"{system} in {python} failed:\n{proc.stdout[-3000:]}\n"
-                               f"{proc.stderr[-3000:]}")
+            raise RuntimeError(
+                f"{system} in {python} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            )
         return json.loads(out.read_text())[system][0]
 
 
@@ -335,8 +385,11 @@ def _comm_per_step(per_rank_rounds: list[list[dict[str, Any]]]) -> dict[str, Any
             for k in o:
                 o[k] += v[k] / len(steps)
     split = [statistics.median(s["exposed_split_s"][i] for s in steps) for i in range(3)]
-    return {"ops": ops, "exposed_s": statistics.median(s["exposed_s"] for s in steps),
-            "exposed_split_s": split}
+    return {
+        "ops": ops,
+        "exposed_s": statistics.median(s["exposed_s"] for s in steps),
+        "exposed_split_s": split,
+    }
 
 
 def summarize(system: str, rounds: list[list[dict[str, Any]]], tokens: int) -> dict[str, Any]:
@@ -353,8 +406,9 @@ def summarize(system: str, rounds: list[list[dict[str, Any]]], tokens: int) -> d
     out["state_bytes"] = [rnd[r]["state"] for rnd in rounds[-1:] for r in range(len(rnd))]
     out["state_mib"] = max(sum(s.values()) for s in out["state_bytes"]) / MiB
     out["maxrss_mib"] = max(r["maxrss_mib"] for rnd in rounds for r in rnd)
-    out["maxrss_mib_per_rank"] = [max(rnd[r]["maxrss_mib"] for rnd in rounds)
-                                  for r in range(len(rounds[0]))]
+    out["maxrss_mib_per_rank"] = [
+        max(rnd[r]["maxrss_mib"] for rnd in rounds) for r in range(len(rounds[0]))
+    ]
     out["final_loss"] = statistics.mean(r["loss"][-1] for r in rounds[-1])
     out["threads"] = sorted({r["threads"] for rnd in rounds for r in rnd})
     out["comm_per_step"] = _comm_per_step(rounds)
@@ -368,11 +422,13 @@ def _ratio(row: dict[str, Any], base: dict[str, Any] | None, key: str) -> str:
 def tables(rows: list[dict[str, Any]]) -> str:
     by = {r["system"]: r for r in rows}
     ddp, fsdp = by.get("ddp"), by.get("fsdp2")
-    lines = ["| system | median step s | min s | tokens/s | step vs DDP | step vs FSDP2 "
-             "| fwd s | bwd s | opt step s | CPU s/step/rank | CPU vs DDP "
-             "| model state MiB/rank | state vs DDP "
-             "| state vs FSDP2 | peak RSS MiB/rank | final loss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| system | median step s | min s | tokens/s | step vs DDP | step vs FSDP2 "
+        "| fwd s | bwd s | opt step s | CPU s/step/rank | CPU vs DDP "
+        "| model state MiB/rank | state vs DDP "
+        "| state vs FSDP2 | peak RSS MiB/rank | final loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['label']} | {r['step_s']:.3f} | {r['step_s_min']:.3f} | "
@@ -382,42 +438,65 @@ def tables(rows: list[dict[str, Any]]) -> str:
             f"{r['state_mib']:.1f} | {_ratio(r, ddp, 'state_mib')} | "
             f"{_ratio(r, fsdp, 'state_mib')} | "
             f"{' / '.join(f'{m:,.0f}' for m in r['maxrss_mib_per_rank'])} | "
-            f"{r['final_loss']:.4f} |")
+            f"{r['final_loss']:.4f} |"
+        )
     comm_rows = [r for r in rows if r["comm_per_step"]]
     if comm_rows:
-        lines += ["", "shardwise collectives per timed step (rank 0; seconds: launch to "
-                  "completion, summed over calls that may overlap):", "",
-                  "| system | op | calls | MiB | seconds |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "shardwise collectives per timed step (rank 0; seconds: launch to "
+            "completion, summed over calls that may overlap):",
+            "",
+            "| system | op | calls | MiB | seconds |",
+            "|---|---|---|---|---|",
+        ]
         for r in comm_rows:
             for op, v in sorted(r["comm_per_step"]["ops"].items()):
-                lines.append(f"| {r['label']} | {op} | {v['calls']:.0f} | "
-                             f"{v['bytes'] / MiB:.1f} | {v['seconds']:.3f} |")
-        lines += ["", "time blocked waiting on shardwise collectives per step (rank 0, medians):",
-                  "", "| system | in forward s | in backward s | in step s | total s |",
-                  "|---|---|---|---|---|"]
+                lines.append(
+                    f"| {r['label']} | {op} | {v['calls']:.0f} | "
+                    f"{v['bytes'] / MiB:.1f} | {v['seconds']:.3f} |"
+                )
+        lines += [
+            "",
+            "time blocked waiting on shardwise collectives per step (rank 0, medians):",
+            "",
+            "| system | in forward s | in backward s | in step s | total s |",
+            "|---|---|---|---|---|",
+        ]
         for r in comm_rows:
             c = r["comm_per_step"]
             fwd, bwd, opt = c["exposed_split_s"]
-            lines.append(f"| {r['label']} | {fwd:.3f} | {bwd:.3f} | {opt:.3f} | "
-                         f"{c['exposed_s']:.3f} |")
+            lines.append(
+                f"| {r['label']} | {fwd:.3f} | {bwd:.3f} | {opt:.3f} | {c['exposed_s']:.3f} |"
+            )
     return "\n".join(lines)
-
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=6, help="timed steps per system and round")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (per round)")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="times the system list is run (order reversed every other round)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS),
-                    help=f"comma-separated, from {','.join(SYSTEMS)}")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="times the system list is run (order reversed every other round)",
+    )
+    ap.add_argument(
+        "--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {','.join(SYSTEMS)}"
+    )
     ap.add_argument("--json", type=Path, help="write the summary rows here")
-    ap.add_argument("--profile-steps", type=int, default=0,
-                    help="after the timed steps, run this many more under torch.profiler and "
-                         "print rank 0's top ops per system (default 0: no profiling)")
-    ap.add_argument("--deepspeed-python", help="interpreter that can import deepspeed "
-                    "(used when this one cannot)")
+    ap.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after the timed steps, run this many more under torch.profiler and "
+        "print rank 0's top ops per system (default 0: no profiling)",
+    )
+    ap.add_argument(
+        "--deepspeed-python",
+        help="interpreter that can import deepspeed (used when this one cannot)",
+    )
     ap.add_argument("--ranks-json", type=Path, help=argparse.SUPPRESS)  # per-rank raw results
     args = ap.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -433,12 +512,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     ds_here = importlib.util.find_spec("deepspeed") is not None
-    systems = [s for s in args.systems
-               if not s.startswith("ds") or ds_here or args.deepspeed_python]
+    systems = [
+        s for s in args.systems if not s.startswith("ds") or ds_here or args.deepspeed_python
+    ]
     skipped = [s for s in args.systems if s not in systems]
     if skipped:
-        log.info("skipping %s: deepspeed is not importable here and --deepspeed-python is not "
-                 "set", ", ".join(skipped))
+        log.info(
+            "skipping %s: deepspeed is not importable here and --deepspeed-python is not set",
+            ", ".join(skipped),
+        )
     version = source_version()  # before the ranks import shardwise
     t_start = time.perf_counter()
     raw: dict[str, list[list[dict[str, Any]]]] = {s: [] for s in systems}
@@ -446,36 +528,68 @@ def main(argv: list[str] | None = None) -> int:
         for system in systems if rnd % 2 == 0 else systems[::-1]:
             t0 = time.perf_counter()
             if system.startswith("ds") and not ds_here:
-                res = run_subprocess(args.deepspeed_python, system, args.steps, args.warmup,
-                                     args.profile_steps)
+                res = run_subprocess(
+                    args.deepspeed_python, system, args.steps, args.warmup, args.profile_steps
+                )
             else:
                 res = run_here(system, args.steps, args.warmup, args.profile_steps)
             raw[system].append(res)
-            log.info("round %d %-6s median step %.3f s (%.0f s with start-up)", rnd + 1, system,
-                     statistics.median(_slowest(res, "step_s")), time.perf_counter() - t0)
+            log.info(
+                "round %d %-6s median step %.3f s (%.0f s with start-up)",
+                rnd + 1,
+                system,
+                statistics.median(_slowest(res, "step_s")),
+                time.perf_counter() - t0,
+            )
     if args.ranks_json:
         args.ranks_json.write_text(json.dumps(raw))
         return 0
     seq_len = GPTConfig.named(MODEL).seq_len
     tokens = WORLD_SIZE * SEQS_PER_RANK * seq_len
     rows = [summarize(s, raw[s], tokens) for s in systems]
-    log.info("\nGPT %s, world size %d (gloo), %d seq x %d tokens per rank, fp32, AdamW; "
-             "%d round(s) x (%d warm-up + %d timed steps) per system; torch %s, shardwise %s\n",
-             MODEL, WORLD_SIZE, SEQS_PER_RANK, seq_len, args.rounds, args.warmup,
-             args.steps, torch.__version__, version)
+    log.info(
+        "\nGPT %s, world size %d (gloo), %d seq x %d tokens per rank, fp32, AdamW; "
+        "%d round(s) x (%d warm-up + %d timed steps) per system; torch %s, shardwise %s\n",
+        MODEL,
+        WORLD_SIZE,
+        SEQS_PER_RANK,
+        seq_len,
+        args.rounds,
+        args.warmup,
+        args.steps,
+        torch.__version__,
+        version,
+    )
     log.info("%s", tables(rows))
-    log.info("\nper-round medians (s): %s", "; ".join(
-        f"{r['system']} {', '.join(f'{m:.3f}' for m in r['round_medians_s'])}" for r in rows))
+    log.info(
+        "\nper-round medians (s): %s",
+        "; ".join(
+            f"{r['system']} {', '.join(f'{m:.3f}' for m in r['round_medians_s'])}" for r in rows
+        ),
+    )
     for s in systems:
         for rnd, res in enumerate(raw[s]):
             if "profile" in res[0]:
-                log.info("\n%s, round %d, rank 0 under torch.profiler (%d steps):\n%s",
-                         SYSTEMS[s], rnd + 1, args.profile_steps, res[0]["profile"])
+                log.info(
+                    "\n%s, round %d, rank 0 under torch.profiler (%d steps):\n%s",
+                    SYSTEMS[s],
+                    rnd + 1,
+                    args.profile_steps,
+                    res[0]["profile"],
+                )
     log.info("threads per rank seen: %s", {r["system"]: r["threads"] for r in rows})
     log.info("total wall time %.0f s", time.perf_counter() - t_start)
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                         "shardwise": version, "rows": rows}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "shardwise": version,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -40,8 +40,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6, help="optimizer steps in all (default 6)")
     p.add_argument("--every", type=int, default=2, help="checkpoint every N steps (default 2)")
     p.add_argument("--zero-stage", type=int, default=2, help="ZeRO stage (default 2)")
-    p.add_argument("--kill-at-step", type=int, default=-1,
-                   help="in the first attempt, kill --kill-rank before this step (-1: never)")
+    p.add_argument(
+        "--kill-at-step",
+        type=int,
+        default=-1,
+        help="in the first attempt, kill --kill-rank before this step (-1: never)",
+    )
     p.add_argument("--kill-rank", type=int, default=1, help="the rank that dies (default 1)")
     return p.parse_args()
 
@@ -54,13 +58,17 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format=f"rank {rank}: %(name)s: %(message)s")
     torch.manual_seed(0)
     model = GPT(MODEL)
-    config = shardwise.Config(zero_stage=args.zero_stage, checkpoint_dir=args.checkpoint_dir,
-                              checkpoint_every=args.every, resume="auto")
-    engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                  config)
+    config = shardwise.Config(
+        zero_stage=args.zero_stage,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.every,
+        resume="auto",
+    )
+    engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
     tokens = torch.randint(0, MODEL.vocab_size, (8192,), generator=torch.Generator().manual_seed(1))
-    sampler = DistributedBatchSampler(tokens, MODEL.seq_len, micro_batch=4, dp_rank=rank,
-                                      dp_size=world, seed=0)
+    sampler = DistributedBatchSampler(
+        tokens, MODEL.seq_len, micro_batch=4, dp_rank=rank, dp_size=world, seed=0
+    )
     engine.resume(sampler=sampler)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     while engine.global_step < args.steps:

@@ -1,7 +1,7 @@
 """Train your own nn.Module with shardwise: a small MLP learns y = sin(x) on synthetic data.
 
-    shardwise run --nproc-per-node 2 examples/train_custom.py
-    torchrun --nproc-per-node 2 examples/train_custom.py
+shardwise run --nproc-per-node 2 examples/train_custom.py
+torchrun --nproc-per-node 2 examples/train_custom.py
 """
 
 import logging

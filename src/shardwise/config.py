@@ -87,20 +87,22 @@ class Config:
         if not isinstance(self.prefetch_units, int) or self.prefetch_units < 0:
             raise ValueError(f"prefetch_units must be an int >= 0, got {self.prefetch_units!r}")
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be an int >= 0, got "
-                             f"{self.checkpoint_every!r}")
+            raise ValueError(f"checkpoint_every must be an int >= 0, got {self.checkpoint_every!r}")
         if self.keep_last is not None:
             _positive_int("keep_last", self.keep_last)
         if self.gradient_clipping is not None and not (
-                isinstance(self.gradient_clipping, (int, float)) and self.gradient_clipping > 0):
-            raise ValueError(f"gradient_clipping must be a number > 0 or None, got "
-                             f"{self.gradient_clipping!r}")
+            isinstance(self.gradient_clipping, (int, float)) and self.gradient_clipping > 0
+        ):
+            raise ValueError(
+                f"gradient_clipping must be a number > 0 or None, got {self.gradient_clipping!r}"
+            )
         if self.min_loss_scale <= 0:
             raise ValueError(f"min_loss_scale must be > 0, got {self.min_loss_scale!r}")
         for name in ("wrap_policy", "activation_checkpointing"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, str) or
-                                      not all(isinstance(v, str) for v in value)):
+            if value is not None and (
+                isinstance(value, str) or not all(isinstance(v, str) for v in value)
+            ):
                 raise ValueError(f"{name} must be a list of module class names, got {value!r}")
         if self.resume == "auto" and not self.checkpoint_dir:
             raise ValueError('resume="auto" needs checkpoint_dir to be set')
@@ -117,8 +119,9 @@ class Config:
             if key not in known:
                 close = difflib.get_close_matches(key, sorted(known), n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ValueError(f"unknown config key {key!r}{hint} Known keys: "
-                                 f"{', '.join(sorted(known))}")
+                raise ValueError(
+                    f"unknown config key {key!r}{hint} Known keys: {', '.join(sorted(known))}"
+                )
         return cls(**values)
 
     @classmethod
@@ -165,8 +168,10 @@ class Config:
         gb = self.global_batch_size(dp_size)
         lines.append(f"# dp_size = {dp_size}")
         if gb is not None:
-            lines.append(f"# global_batch_size = {self.micro_batch_size} x "
-                         f"{self.gradient_accumulation_steps} x {dp_size} = {gb}")
+            lines.append(
+                f"# global_batch_size = {self.micro_batch_size} x "
+                f"{self.gradient_accumulation_steps} x {dp_size} = {gb}"
+            )
         return "\n".join(lines)
 
 

@@ -53,7 +53,8 @@ def _int_env(env: dict[str, str], *names: str) -> int | None:
                 return int(env[name])
             except ValueError as exc:
                 raise DistInitError(
-                    f"environment variable {name}={env[name]!r} is not an int") from exc
+                    f"environment variable {name}={env[name]!r} is not an int"
+                ) from exc
     return None
 
 
@@ -111,8 +112,11 @@ def resolve_backend(backend: str) -> str:
         raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)}")
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    available = {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(),
-                 "mpi": dist.is_mpi_available()}
+    available = {
+        "gloo": dist.is_gloo_available(),
+        "nccl": dist.is_nccl_available(),
+        "mpi": dist.is_mpi_available(),
+    }
     if not available[backend]:
         have = [b for b, ok in available.items() if ok]
         raise ValueError(
@@ -145,15 +149,17 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S) -> None:
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     try:
         if env.world_size == 1 and env.source == "single":
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=td)
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td
+            )
         elif backend == "mpi":
             dist.init_process_group("mpi", timeout=td)
         else:  # env:// reuses torchrun's agent store when there is one
             os.environ.setdefault("MASTER_ADDR", env.master_addr)
             os.environ.setdefault("MASTER_PORT", str(env.master_port))
-            dist.init_process_group(backend, init_method="env://", rank=env.rank,
-                                    world_size=env.world_size, timeout=td)
+            dist.init_process_group(
+                backend, init_method="env://", rank=env.rank, world_size=env.world_size, timeout=td
+            )
     except (RuntimeError, dist.DistError) as exc:
         raise DistInitError(
             f"rank {env.rank} could not form the {backend} process group of {env.world_size} "
@@ -169,8 +175,14 @@ def attach(timeout: float = DEFAULT_TIMEOUT_S) -> None:
     global _ctx
     if not dist.is_initialized():
         raise RuntimeError("attach() needs an initialized torch.distributed process group")
-    env = LaunchEnv(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
-                    "", 0, "external")
+    env = LaunchEnv(
+        dist.get_rank(),
+        dist.get_world_size(),
+        int(os.environ.get("LOCAL_RANK", 0)),
+        "",
+        0,
+        "external",
+    )
     _ctx = _Context(env, dist.get_backend(), timeout, owns_group=False)
 
 

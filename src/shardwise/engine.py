@@ -1,10 +1,10 @@
 """The training engine: composes ZeRO sharding, precision, recompute and the optimizer.
 
-    engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                  shardwise.Config(zero_stage=2))
-    loss = engine(x, y)
-    engine.backward(loss)
-    engine.step()
+engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                              shardwise.Config(zero_stage=2))
+loss = engine(x, y)
+engine.backward(loss)
+engine.step()
 """
 
 from __future__ import annotations
@@ -52,8 +52,10 @@ def _check_model(model: nn.Module) -> torch.device:
     if not devices:
         raise ValueError("the model has no parameters to train")
     if len(devices) > 1:
-        raise ValueError(f"the model's parameters and buffers are on different devices "
-                         f"{sorted(str(d) for d in devices)}; move it to one device first")
+        raise ValueError(
+            f"the model's parameters and buffers are on different devices "
+            f"{sorted(str(d) for d in devices)}; move it to one device first"
+        )
     return devices.pop()
 
 
@@ -61,9 +63,14 @@ class Engine:
     """A model, its sharded optimizer and the ZeRO machinery, driven by forward / backward /
     step. Build it with ``shardwise.initialize``."""
 
-    def __init__(self, model: nn.Module, optimizer: zero_opt.OptimizerLike, config: Config,
-                 group: Group | Mesh | None = None,
-                 lr_scheduler: SchedulerFactory | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: zero_opt.OptimizerLike,
+        config: Config,
+        group: Group | Mesh | None = None,
+        lr_scheduler: SchedulerFactory | None = None,
+    ) -> None:
         self.config = config
         self.device = _check_model(model)
         self.group = _resolve_group(group)
@@ -81,16 +88,19 @@ class Engine:
         self._broadcast_buffers(src)
         self.flats, self._schedule = self._build_flats(model, src)
         self._where: dict[int, tuple[FlatParam, ParamSlot]] = {
-            id(p): (f, s) for f in self.flats for s, p in zip(f.slots, f.params)}
+            id(p): (f, s) for f in self.flats for s, p in zip(f.slots, f.params)
+        }
         self._cast_frozen_and_buffers()
         if self.dtypes.param != torch.float32:  # floating inputs follow the compute dtype
             self._input_hook = model.register_forward_pre_hook(self._cast_inputs)
         self.optimizer = self._build_optimizer(model, optimizer)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.scaler = DynamicLossScaler(
-            init_scale=2.0 ** config.initial_loss_scale_power,
-            growth_interval=config.loss_scale_window, min_scale=config.min_loss_scale,
-            enabled=policy.needs_loss_scaling)
+            init_scale=2.0**config.initial_loss_scale_power,
+            growth_interval=config.loss_scale_window,
+            min_scale=config.min_loss_scale,
+            enabled=policy.needs_loss_scaling,
+        )
         on_reduced = (lambda f: f.release()) if self.stage.shard_params else None
         self.reducer = GradReducer(self.flats, on_reduced=on_reduced)
         self.global_step = 0
@@ -110,15 +120,19 @@ class Engine:
         """Every rank starts from rank 0's buffers (e.g. BatchNorm running statistics)."""
         bufs = [b for b in self.module.buffers() if b.numel() > 0]
         for b in bufs:
-            comm.broadcast(b.data if b.is_contiguous() else b.data.contiguous(), src=src,
-                           group=self.group)
+            comm.broadcast(
+                b.data if b.is_contiguous() else b.data.contiguous(), src=src, group=self.group
+            )
 
-    def _build_flats(self, model: nn.Module, src: int
-                     ) -> tuple[list[FlatParam], ParamSchedule | None]:
+    def _build_flats(
+        self, model: nn.Module, src: int
+    ) -> tuple[list[FlatParam], ParamSchedule | None]:
         cfg, stage = self.config, self.stage
         if not stage.shard_params:
-            flats = [FlatParam(named, self.group, stage, self.dtypes, trainable)
-                     for named, trainable in buckets(model, cfg.reduce_bucket_bytes)]
+            flats = [
+                FlatParam(named, self.group, stage, self.dtypes, trainable)
+                for named, trainable in buckets(model, cfg.reduce_bucket_bytes)
+            ]
             frozen = [p for p in model.parameters() if not p.requires_grad]
             for p in frozen:  # replicated and never updated: rank 0's values, once
                 comm.broadcast(p.data, src=src, group=self.group)
@@ -129,8 +143,11 @@ class Engine:
             flats = []
             for spec in specs:
                 trainable, frozen = split_trainable(spec.own)
-                mine = [FlatParam(named, self.group, stage, self.dtypes, flag)
-                        for named, flag in ((trainable, True), (frozen, False)) if named]
+                mine = [
+                    FlatParam(named, self.group, stage, self.dtypes, flag)
+                    for named, flag in ((trainable, True), (frozen, False))
+                    if named
+                ]
                 by_name[spec.name] = mine
                 flats += mine
             needs = [by_name[s.name] + [f for n in s.foreign for f in by_name[n]] for s in specs]
@@ -156,25 +173,31 @@ class Engine:
                     setattr(mod, name, b.to(self.dtypes.param))
 
     def _cast_inputs(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return tuple(a.to(self.dtypes.param) if isinstance(a, torch.Tensor) and
-                     a.is_floating_point() else a for a in args)
+        return tuple(
+            a.to(self.dtypes.param) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+            for a in args
+        )
 
-    def _build_optimizer(self, model: nn.Module,
-                         optimizer: zero_opt.OptimizerLike) -> torch.optim.Optimizer:
+    def _build_optimizer(
+        self, model: nn.Module, optimizer: zero_opt.OptimizerLike
+    ) -> torch.optim.Optimizer:
         shard_of = {}
         for f in self.flats:
             for pc, op in zip(f.opt_pieces, f.opt_params):
                 shard_of[id(f.params[f.slots.index(pc.slot)])] = op
-        return zero_opt.rebuild(optimizer, list(model.parameters()), shard_of,
-                                self.config.allow_untested_optimizer)
+        return zero_opt.rebuild(
+            optimizer, list(model.parameters()), shard_of, self.config.allow_untested_optimizer
+        )
 
     def _build_scheduler(self, factory: SchedulerFactory | None) -> Any:
         if factory is None:
             return None
         if isinstance(factory, torch.optim.lr_scheduler.LRScheduler):
-            raise TypeError("pass lr_scheduler as a callable optimizer -> scheduler (e.g. "
-                            "lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)): the engine "
-                            "builds its own optimizer over the shards")
+            raise TypeError(
+                "pass lr_scheduler as a callable optimizer -> scheduler (e.g. "
+                "lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)): the engine "
+                "builds its own optimizer over the shards"
+            )
         return factory(self.optimizer)
 
     # ---- training ----
@@ -201,8 +224,9 @@ class Engine:
             raise ValueError(f"backward needs a scalar loss, got shape {tuple(loss.shape)}")
         if self._schedule is not None:
             self._schedule.finish_forward_recording()
-        self.reducer.begin(self.is_boundary or self.stage.reduce_every_micro_step,
-                           last=self.is_boundary)
+        self.reducer.begin(
+            self.is_boundary or self.stage.reduce_every_micro_step, last=self.is_boundary
+        )
         scaled = self.scaler.scale_loss(loss.float() / self.config.gradient_accumulation_steps)
         try:
             scaled.backward()
@@ -222,8 +246,9 @@ class Engine:
         accum = self.config.gradient_accumulation_steps
         if self.micro_step == 0 or self.micro_step % accum != 0:
             return False
-        result = sharded_step(self.flats, self.optimizer, self.scaler,
-                              self.config.gradient_clipping)
+        result = sharded_step(
+            self.flats, self.optimizer, self.scaler, self.config.gradient_clipping
+        )
         self.grad_norm = result.grad_norm
         if result.updated:
             if self.lr_scheduler is not None:
@@ -231,8 +256,12 @@ class Engine:
             self.global_step += 1
         else:
             self.skipped_steps += 1
-            log.warning("rank %d: step %d skipped: gradient overflow; loss scale now %g",
-                        self.group.ranks[self.group.rank], self.global_step, self.scaler.scale)
+            log.warning(
+                "rank %d: step %d skipped: gradient overflow; loss scale now %g",
+                self.group.ranks[self.group.rank],
+                self.global_step,
+                self.scaler.scale,
+            )
         self.zero_grad()
         return result.updated
 
@@ -249,7 +278,7 @@ class Engine:
         for f in self.flats:
             full = f.full_master()
             for slot, p in zip(f.slots, f.params):
-                values[id(p)] = full[slot.offset: slot.end].view(slot.shape).clone()
+                values[id(p)] = full[slot.offset : slot.end].view(slot.shape).clone()
         out = {}
         for name, t in self.module.state_dict(keep_vars=True).items():
             v = values.get(id(t))
@@ -262,13 +291,17 @@ class Engine:
         missing = sorted(set(own) - set(state))
         unexpected = sorted(set(state) - set(own))
         if missing or unexpected:
-            raise ValueError(f"state dict does not match the model: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
+            raise ValueError(
+                f"state dict does not match the model: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}"
+            )
         for name, t in own.items():
             value = state[name]
             if tuple(value.shape) != tuple(t.shape):
-                raise ValueError(f"state dict entry {name} has shape {tuple(value.shape)}, the "
-                                 f"model's is {tuple(t.shape)}")
+                raise ValueError(
+                    f"state dict entry {name} has shape {tuple(value.shape)}, the "
+                    f"model's is {tuple(t.shape)}"
+                )
             where = self._where.get(id(t))
             if where is not None:
                 where[0].load_param(where[1], value.to(self.device))
@@ -295,11 +328,17 @@ class Engine:
         states = zero_opt.state_bytes(self.optimizer)
         opt_host = states if self.host.type == "cpu" and self.device.type != "cpu" else 0
         buffers = sum(b.untyped_storage().nbytes() for b in self.module.buffers())
-        out = {"params": params, "grads": grads, "optimizer": states + master,
-               "buffers": buffers, "comm": self.reducer.comm_bytes()}
+        out = {
+            "params": params,
+            "grads": grads,
+            "optimizer": states + master,
+            "buffers": buffers,
+            "comm": self.reducer.comm_bytes(),
+        }
         out["host"] = opt_host + master_host
-        out["device"] = sum(out[k] for k in ("params", "grads", "optimizer", "buffers",
-                                             "comm")) - out["host"]
+        out["device"] = (
+            sum(out[k] for k in ("params", "grads", "optimizer", "buffers", "comm")) - out["host"]
+        )
         return out
 
     # ---- checkpoints (see shardwise.checkpoint.engine_state) ----
@@ -319,12 +358,18 @@ class Engine:
     def _checkpoint_root(self, path: str | Path | None) -> Path:
         root = path if path is not None else self.config.checkpoint_dir
         if root is None:
-            raise ValueError("no checkpoint directory: pass path= or set "
-                             "Config(checkpoint_dir=...)")
+            raise ValueError(
+                "no checkpoint directory: pass path= or set Config(checkpoint_dir=...)"
+            )
         return Path(root)
 
-    def save(self, path: str | Path | None = None, *, sampler: Any = None,
-             extra: dict[str, Any] | None = None) -> Path:
+    def save(
+        self,
+        path: str | Path | None = None,
+        *,
+        sampler: Any = None,
+        extra: dict[str, Any] | None = None,
+    ) -> Path:
         """Save a sharded checkpoint of step ``global_step``; call on every rank.
 
         Args:
@@ -407,10 +452,14 @@ class Engine:
         load_pretrained(self, path_or_state_dict)
 
 
-def initialize(model: nn.Module, optimizer: zero_opt.OptimizerLike,
-               config: Config | dict[str, Any] | None = None, *,
-               group: Group | Mesh | None = None,
-               lr_scheduler: SchedulerFactory | None = None) -> Engine:
+def initialize(
+    model: nn.Module,
+    optimizer: zero_opt.OptimizerLike,
+    config: Config | dict[str, Any] | None = None,
+    *,
+    group: Group | Mesh | None = None,
+    lr_scheduler: SchedulerFactory | None = None,
+) -> Engine:
     """Wrap ``model`` for ZeRO training over ``group`` (default: the world; a Mesh: its dp axis).
 
     Args:
@@ -432,6 +481,5 @@ def initialize(model: nn.Module, optimizer: zero_opt.OptimizerLike,
     elif isinstance(config, dict):
         config = Config.from_dict(config)
     elif not isinstance(config, Config):
-        raise TypeError(f"config must be a shardwise.Config or a dict, got "
-                        f"{type(config).__name__}")
+        raise TypeError(f"config must be a shardwise.Config or a dict, got {type(config).__name__}")
     return Engine(model, optimizer, config, group=group, lr_scheduler=lr_scheduler)

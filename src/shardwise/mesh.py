@@ -21,8 +21,9 @@ class Mesh:
     All ranks construct it together (it forms the process groups collectively).
     """
 
-    def __init__(self, *, dp: int = -1, tp: int = 1, pp: int = 1,
-                 world_size: int | None = None) -> None:
+    def __init__(
+        self, *, dp: int = -1, tp: int = 1, pp: int = 1, world_size: int | None = None
+    ) -> None:
         n = sw_dist.world_size() if world_size is None else world_size
         sizes = {"pp": pp, "dp": dp, "tp": tp}
         for axis, size in sizes.items():
@@ -39,13 +40,17 @@ class Mesh:
                 known *= size
         if fill:
             if n % known:
-                raise ValueError(f"world size {n} is not divisible by {known} "
-                                 f"({' x '.join(f'{a}={s}' for a, s in sizes.items() if s != -1)})")
+                raise ValueError(
+                    f"world size {n} is not divisible by {known} "
+                    f"({' x '.join(f'{a}={s}' for a, s in sizes.items() if s != -1)})"
+                )
             sizes[fill[0]] = n // known
         product = sizes["pp"] * sizes["dp"] * sizes["tp"]
         if product != n:
-            raise ValueError(f"mesh pp={sizes['pp']} x dp={sizes['dp']} x tp={sizes['tp']} = "
-                             f"{product} does not match the world size {n}")
+            raise ValueError(
+                f"mesh pp={sizes['pp']} x dp={sizes['dp']} x tp={sizes['tp']} = "
+                f"{product} does not match the world size {n}"
+            )
         self.sizes = sizes
         self.world_size = n
         self._groups: dict[tuple[str, ...], Group] = {}
@@ -110,5 +115,7 @@ class Mesh:
         return self.coords[axis]
 
     def __repr__(self) -> str:
-        return (f"Mesh(pp={self.sizes['pp']}, dp={self.sizes['dp']}, tp={self.sizes['tp']}, "
-                f"coords={self.coords})")
+        return (
+            f"Mesh(pp={self.sizes['pp']}, dp={self.sizes['dp']}, tp={self.sizes['tp']}, "
+            f"coords={self.coords})"
+        )

@@ -48,19 +48,31 @@ def _reset_rank_state(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _worker(rank: int, world_size: int, store_dir: str, tasks: Any, results: Any,
-            pg_timeout_s: float) -> None:
+def _worker(
+    rank: int, world_size: int, store_dir: str, tasks: Any, results: Any, pg_timeout_s: float
+) -> None:
     import datetime
 
     import torch
     import torch.distributed as dist
 
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world_size)})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+        }
+    )
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(store_dir, "store"), world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=pg_timeout_s))
+    dist.init_process_group(
+        "gloo",
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=pg_timeout_s),
+    )
     from shardwise import dist as sw_dist
 
     sw_dist.attach(timeout=pg_timeout_s)
@@ -83,8 +95,9 @@ def _worker(rank: int, world_size: int, store_dir: str, tasks: Any, results: Any
 class RankPool:
     """W live ranks on gloo that run tasks on demand."""
 
-    def __init__(self, world_size: int, pg_timeout_s: float = 60.0,
-                 start_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, world_size: int, pg_timeout_s: float = 60.0, start_timeout_s: float = 120.0
+    ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
@@ -93,9 +106,12 @@ class RankPool:
         self._results = self._ctx.Queue()
         self._tasks = [self._ctx.Queue() for _ in range(world_size)]
         self._procs = [
-            self._ctx.Process(target=_worker, daemon=True, name=f"shardwise-rank{r}",
-                              args=(r, world_size, self._dir, self._tasks[r], self._results,
-                                    pg_timeout_s))
+            self._ctx.Process(
+                target=_worker,
+                daemon=True,
+                name=f"shardwise-rank{r}",
+                args=(r, world_size, self._dir, self._tasks[r], self._results, pg_timeout_s),
+            )
             for r in range(world_size)
         ]
         for p in self._procs:
@@ -116,8 +132,10 @@ class RankPool:
             except queue.Empty:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                 if dead and first_error is None:
-                    first_error = (dead[0], f"rank {dead[0]} process died "
-                                            f"(exit code {self._procs[dead[0]].exitcode})")
+                    first_error = (
+                        dead[0],
+                        f"rank {dead[0]} process died (exit code {self._procs[dead[0]].exitcode})",
+                    )
                     deadline = min(deadline, time.monotonic() + 5.0)
                 continue
             got[rank] = (status, value)
@@ -134,12 +152,20 @@ class RankPool:
         if len(got) < self.world_size:
             missing = sorted(set(range(self.world_size)) - set(got))
             self.close()
-            raise RankTimeout(f"{what} did not finish within {timeout_s:g} s on ranks {missing} "
-                              f"of {self.world_size}")
+            raise RankTimeout(
+                f"{what} did not finish within {timeout_s:g} s on ranks {missing} "
+                f"of {self.world_size}"
+            )
         return [got[r][1] for r in range(self.world_size)]
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = DEFAULT_TASK_TIMEOUT_S,
-            seed: int = 0, **kwargs: Any) -> list[Any]:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout_s: float = DEFAULT_TASK_TIMEOUT_S,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return each rank's result, rank order.
 
         ``fn`` must be importable (module level) so spawned ranks can unpickle it.
@@ -170,9 +196,14 @@ class RankPool:
 _pools: dict[int, RankPool] = {}
 
 
-def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any,
-                 timeout_s: float = DEFAULT_TASK_TIMEOUT_S, fresh: bool = False,
-                 **kwargs: Any) -> list[Any]:
+def run_on_ranks(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout_s: float = DEFAULT_TASK_TIMEOUT_S,
+    fresh: bool = False,
+    **kwargs: Any,
+) -> list[Any]:
     """Run ``fn`` on ``world_size`` ranks from a pool kept for the whole process.
 
     ``fresh=True`` uses a one-off pool (for tests that break their world on purpose).

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 
 def _nccl_task():
@@ -14,8 +16,15 @@ def _nccl_task():
 
     import shardwise
 
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"})
+    os.environ.update(
+        {
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29517",
+        }
+    )
     shardwise.init(backend="nccl")
     dev = shardwise.device()
     t = torch.arange(6.0, device=dev)
@@ -27,8 +36,11 @@ def _nccl_task():
 
     torch.manual_seed(0)
     model = GPT(GPTConfig.named("tiny")).to(dev)
-    engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                  shardwise.Config(zero_stage=3, precision="bf16"))
+    engine = shardwise.initialize(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        shardwise.Config(zero_stage=3, precision="bf16"),
+    )
     x = torch.randint(0, 256, (2, 65), device=dev)
     losses = []
     for _ in range(5):

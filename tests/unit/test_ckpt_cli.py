@@ -19,8 +19,12 @@ CFG = GPTConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=2, d_model=16)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shardwise.cli.main", "checkpoint", *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "shardwise.cli.main", "checkpoint", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +34,14 @@ def checkpoint(tmp_path_factory):
     torch.manual_seed(0)
     model = GPT(CFG)
     try:
-        engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                      shardwise.Config(checkpoint_dir=str(root)))
-        tokens = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len + 1),
-                               generator=torch.Generator().manual_seed(1))
+        engine = shardwise.initialize(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            shardwise.Config(checkpoint_dir=str(root)),
+        )
+        tokens = torch.randint(
+            0, CFG.vocab_size, (2, CFG.seq_len + 1), generator=torch.Generator().manual_seed(1)
+        )
         for _ in range(2):
             engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
             engine.step()
@@ -49,8 +57,15 @@ def test_inspect_shows_layout_and_run(checkpoint):
     root, _ = checkpoint
     out = _cli("inspect", str(root))
     assert out.returncode == 0, out.stderr
-    for text in ("step: 2", "world size: 1", "model/", "optim/", "verification: OK",
-                 "engine: global step 2, ZeRO stage 0, precision fp32", "head.weight"):
+    for text in (
+        "step: 2",
+        "world size: 1",
+        "model/",
+        "optim/",
+        "verification: OK",
+        "engine: global step 2, ZeRO stage 0, precision fp32",
+        "head.weight",
+    ):
         assert text in out.stdout, (text, out.stdout)
 
 

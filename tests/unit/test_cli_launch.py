@@ -11,9 +11,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardwise.cli.main", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    return subprocess.run(
+        [sys.executable, "-m", "shardwise.cli.main", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
 
 
 def test_run_hello_on_two_ranks():

@@ -38,15 +38,18 @@ def _error_line(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize(("argv", "expected"), [
-    (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1, got 0"),
-    (["--zero", "5"], "--zero must be one of 0, 1, 2, 3, got 5"),
-    (["--data", "/no/such/corpus"], "--data path '/no/such/corpus' does not exist"),
-    (["--model", "huge"], "--model 'huge' is unknown: choose one of tiny"),
-    (["--precision", "fp8"], "--precision must be one of fp32, bf16, fp16"),
-    (["--steps", "0"], "--steps must be an int >= 1, got 0"),
-    (["--micro-batch", "0"], "--micro-batch must be >= 1"),
-])
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--nproc-per-node", "0"], "--nproc-per-node must be >= 1, got 0"),
+        (["--zero", "5"], "--zero must be one of 0, 1, 2, 3, got 5"),
+        (["--data", "/no/such/corpus"], "--data path '/no/such/corpus' does not exist"),
+        (["--model", "huge"], "--model 'huge' is unknown: choose one of tiny"),
+        (["--precision", "fp8"], "--precision must be one of fp32, bf16, fp16"),
+        (["--steps", "0"], "--steps must be an int >= 1, got 0"),
+        (["--micro-batch", "0"], "--micro-batch must be >= 1"),
+    ],
+)
 def test_bad_train_options_are_one_line(capsys, tmp_path, argv, expected):
     run_dir = tmp_path / "run"
     line = _error_line(capsys, "train", "--run-dir", str(run_dir), *argv)
@@ -57,29 +60,47 @@ def test_bad_train_options_are_one_line(capsys, tmp_path, argv, expected):
 def test_resume_and_reuse_errors(capsys, tmp_path):
     line = _error_line(capsys, "train", "--resume", "--run-dir", str(tmp_path / "none"))
     assert "does not exist" in line
-    run = RunConfig(train=TrainOptions(model="tiny"), engine=Config(micro_batch_size=4),
-                    world_size=2)
+    run = RunConfig(
+        train=TrainOptions(model="tiny"), engine=Config(micro_batch_size=4), world_size=2
+    )
     run_dir = RunDir(tmp_path / "run")
     run_dir.root.mkdir()
     run.write(run_dir.config)
     assert "already holds a run" in _error_line(capsys, "train", "--run-dir", str(run_dir.root))
-    line = _error_line(capsys, "train", "--resume", "--run-dir", str(run_dir.root), "--model",
-                       "small")
+    line = _error_line(
+        capsys, "train", "--resume", "--run-dir", str(run_dir.root), "--model", "small"
+    )
     assert "--model cannot change when resuming" in line
 
 
 def test_bad_option_through_the_entry_point_has_no_traceback(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "shardwise.cli.main", "train", "--zero", "5",
-                          "--run-dir", str(tmp_path / "r")], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardwise.cli.main",
+            "train",
+            "--zero",
+            "5",
+            "--run-dir",
+            str(tmp_path / "r"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     assert out.returncode == 2
     assert out.stderr.strip() == "shardwise train: error: --zero must be one of 0, 1, 2, 3, got 5"
 
 
 def test_run_config_round_trip(tmp_path):
-    run = RunConfig(train=TrainOptions(model="tiny", steps=7, seq_len=32),
-                    engine=Config(zero_stage=2, micro_batch_size=4,
-                                  gradient_accumulation_steps=3), world_size=2)
+    run = RunConfig(
+        train=TrainOptions(model="tiny", steps=7, seq_len=32),
+        engine=Config(zero_stage=2, micro_batch_size=4, gradient_accumulation_steps=3),
+        world_size=2,
+    )
     run.write(tmp_path / "config.json")
     back = RunConfig.read(tmp_path / "config.json")
     assert back.to_dict() == run.to_dict()
@@ -117,12 +138,29 @@ def test_parse_count():
 
 
 def test_estimate_params_table(capsys):
-    assert main(["estimate", "--params", "7e9", "--world-size", "64", "--precision", "bf16",
-                 "--device-memory", "80GB"]) == 0
+    assert (
+        main(
+            [
+                "estimate",
+                "--params",
+                "7e9",
+                "--world-size",
+                "64",
+                "--precision",
+                "bf16",
+                "--device-memory",
+                "80GB",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     est = estimate_model_states(7_000_000_000, 64, "bf16")
-    rows = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] in
-            (["0"], ["1"], ["2"], ["3"])}
+    rows = {
+        line.split()[0]: line
+        for line in out.splitlines()
+        if line.split()[:1] in (["0"], ["1"], ["2"], ["3"])
+    }
     assert set(rows) == {"0", "1", "2", "3"}
     assert format_bytes(est[3].params_bytes) in rows["3"]
     assert rows["0"].endswith("no") and rows["3"].endswith("yes")
@@ -134,35 +172,60 @@ def test_estimate_model_adds_activations(capsys):
     assert "842,496 parameters" in out
     assert "with activation checkpointing" in out and "peak (act. ckpt)" in out
     assert _error_line(capsys, "estimate", "--model", "huge").endswith(
-        "choose one of tiny, small, medium, anchor, gpt2")
+        "choose one of tiny, small, medium, anchor, gpt2"
+    )
 
 
 def _synthetic_run(root: Path, steps: int, finished: bool) -> RunDir:
-    run = RunConfig(train=TrainOptions(model="tiny", steps=steps, eval_every=10),
-                    engine=Config(zero_stage=2, micro_batch_size=4), world_size=2)
+    run = RunConfig(
+        train=TrainOptions(model="tiny", steps=steps, eval_every=10),
+        engine=Config(zero_stage=2, micro_batch_size=4),
+        world_size=2,
+    )
     run_dir = RunDir(root)
     root.mkdir()
     run.write(run_dir.config)
     records = []
     with MetricsWriter(run_dir.metrics) as w:
         for step in range(1, steps + 1):
-            mem = {"params": 480_000, "grads": 240_000, "optimizer": 960_000, "buffers": 0,
-                   "comm": 4096}
-            record = {"step": step, "loss": 5.5 * math.exp(-step / 15) + 2.0, "lr": 1e-3,
-                      "tokens": 512, "tokens_per_s": 9000.0 + 100 * (step % 7),
-                      "step_time_s": 0.05, "exposed_comm_s": [0.01, 0.012],
-                      "comm": {"all_gather": {"calls": 2, "bytes": 960_000, "seconds": 0.02},
-                               "reduce_scatter": {"calls": 1, "bytes": 480_000,
-                                                  "seconds": 0.01}},
-                      "memory": [mem, mem], "elapsed_s": step * 0.06}
+            mem = {
+                "params": 480_000,
+                "grads": 240_000,
+                "optimizer": 960_000,
+                "buffers": 0,
+                "comm": 4096,
+            }
+            record = {
+                "step": step,
+                "loss": 5.5 * math.exp(-step / 15) + 2.0,
+                "lr": 1e-3,
+                "tokens": 512,
+                "tokens_per_s": 9000.0 + 100 * (step % 7),
+                "step_time_s": 0.05,
+                "exposed_comm_s": [0.01, 0.012],
+                "comm": {
+                    "all_gather": {"calls": 2, "bytes": 960_000, "seconds": 0.02},
+                    "reduce_scatter": {"calls": 1, "bytes": 480_000, "seconds": 0.01},
+                },
+                "memory": [mem, mem],
+                "elapsed_s": step * 0.06,
+            }
             if step % 10 == 0:
                 record["val_loss"] = record["loss"] + 0.1
             w.write(record)
             records.append(record)
     if finished:
-        write_summary(run_dir.summary, build_summary(
-            run, records, status="finished", unigram_baseline=3.2,
-            final_val_loss=records[-1].get("val_loss"), wall_time_s=4.0))
+        write_summary(
+            run_dir.summary,
+            build_summary(
+                run,
+                records,
+                status="finished",
+                unigram_baseline=3.2,
+                final_val_loss=records[-1].get("val_loss"),
+                wall_time_s=4.0,
+            ),
+        )
     return run_dir
 
 
@@ -192,10 +255,24 @@ def test_generate_from_final_model(capsys, tmp_path):
     model = GPT(RunConfig.read(run_dir.config).model)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     save_file(state, str(run_dir.final_model), metadata={"step": "3"})
-    assert main(["generate", str(run_dir.root), "--prompt", "def ", "--tokens", "20",
-                 "--temperature", "0"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(run_dir.root),
+                "--prompt",
+                "def ",
+                "--tokens",
+                "20",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert captured.out.startswith("def ") and len(captured.out) > len("def ")
     assert "step 3" in captured.err
-    assert "--top-k must be >= 1" in _error_line(capsys, "generate", str(run_dir.root),
-                                                 "--top-k", "0")
+    assert "--top-k must be >= 1" in _error_line(
+        capsys, "generate", str(run_dir.root), "--top-k", "0"
+    )

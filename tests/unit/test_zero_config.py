@@ -10,8 +10,9 @@ from shardwise.zero.stage import ZeroStage
 
 
 def test_config_files_and_dump(tmp_path):
-    (tmp_path / "c.toml").write_text("zero_stage = 2\nmicro_batch_size = 4\n"
-                                     "gradient_accumulation_steps = 3\n")
+    (tmp_path / "c.toml").write_text(
+        "zero_stage = 2\nmicro_batch_size = 4\ngradient_accumulation_steps = 3\n"
+    )
     (tmp_path / "c.yaml").write_text("zero_stage: 3\nprecision: bf16\n")
     (tmp_path / "c.json").write_text('{"zero_stage": 1, "gradient_clipping": 1.0}')
     assert Config.from_file(tmp_path / "c.toml").zero_stage == 2
@@ -21,15 +22,18 @@ def test_config_files_and_dump(tmp_path):
     assert "global_batch_size = 4 x 3 x 2 = 24" in dump and "zero_stage = 2" in dump
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"zero_stage": 4}, r"zero_stage must be one of \[0, 1, 2, 3\], got 4"),
-    ({"precision": "fp8"}, r"precision must be one of \['fp32', 'bf16', 'fp16'\]"),
-    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be an int >= 1"),
-    ({"gradient_clipping": -1.0}, "gradient_clipping must be a number > 0"),
-    ({"gradent_clipping": 1.0}, "did you mean 'gradient_clipping'"),
-    ({"resume": "auto"}, "needs checkpoint_dir"),
-    ({"wrap_policy": "Block"}, "must be a list of module class names"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"zero_stage": 4}, r"zero_stage must be one of \[0, 1, 2, 3\], got 4"),
+        ({"precision": "fp8"}, r"precision must be one of \['fp32', 'bf16', 'fp16'\]"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be an int >= 1"),
+        ({"gradient_clipping": -1.0}, "gradient_clipping must be a number > 0"),
+        ({"gradent_clipping": 1.0}, "did you mean 'gradient_clipping'"),
+        ({"resume": "auto"}, "needs checkpoint_dir"),
+        ({"wrap_policy": "Block"}, "must be a list of module class names"),
+    ],
+)
 def test_config_errors_name_the_key(values, message):
     with pytest.raises(ValueError, match=message):
         Config.from_dict(values)
@@ -50,8 +54,10 @@ def test_partition_math():
     padded = padded_numel(total, 3)
     ranges = [shard_range(padded, 3, r) for r in range(3)]
     assert ranges == [(0, 4), (4, 8), (8, 12)]
-    owned = [[(p.slot.name, p.param_start, p.param_stop, p.shard_start)
-              for p in pieces_in(slots, *rg)] for rg in ranges]
+    owned = [
+        [(p.slot.name, p.param_start, p.param_stop, p.shard_start) for p in pieces_in(slots, *rg)]
+        for rg in ranges
+    ]
     assert owned == [[("a", 0, 4, 0)], [("a", 4, 6, 0), ("b", 0, 2, 2)], [("b", 2, 5, 0)]]
 
 

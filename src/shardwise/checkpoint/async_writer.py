@@ -52,8 +52,9 @@ class AsyncCheckpointWriter:
         self.root = Path(root)
         self.keep_last = keep_last
         self.verify_writes = verify_writes
-        self.group = comm.new_group(list(range(sw_dist.world_size())), timeout_s=timeout,
-                                    dedicated=True)
+        self.group = comm.new_group(
+            list(range(sw_dist.world_size())), timeout_s=timeout, dedicated=True
+        )
         self.last_committed: Path | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None

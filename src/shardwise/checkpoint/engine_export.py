@@ -37,7 +37,7 @@ def read_model_state(path: Path | str) -> dict[str, torch.Tensor]:
         for name in reader.names():
             for prefix in (MODEL_PREFIX, BUFFER_PREFIX):
                 if name.startswith(prefix):
-                    out[name[len(prefix):]] = reader.read_full(name)
+                    out[name[len(prefix) :]] = reader.read_full(name)
         for alias, first in reader.trainer_state.get("aliases", {}).items():
             out[alias] = out[first].clone()
     if not out:
@@ -63,8 +63,9 @@ def export_model_state(path: Path | str, out_file: Path | str) -> list[str]:
     return sorted(state)
 
 
-def load_pretrained(engine: Engine,
-                    path_or_state_dict: Path | str | dict[str, torch.Tensor]) -> None:
+def load_pretrained(
+    engine: Engine, path_or_state_dict: Path | str | dict[str, torch.Tensor]
+) -> None:
     """Start ``engine`` from full model weights; call on every rank (each reads all of them).
 
     Accepts a state dict, a ``.safetensors`` file (e.g. from ``export_model_state``), a
@@ -85,8 +86,10 @@ def load_pretrained(engine: Engine,
         elif p.is_file():
             state = torch.load(p, map_location="cpu", weights_only=True)
         else:
-            raise ValueError(f"{p} does not exist; pass a state dict, a .safetensors file, a "
-                             f"torch.save file or a checkpoint directory")
+            raise ValueError(
+                f"{p} does not exist; pass a state dict, a .safetensors file, a "
+                f"torch.save file or a checkpoint directory"
+            )
     for alias, first in ModelNames.of(engine.module).aliases.items():
         if alias not in state and first in state:
             state[alias] = state[first]
@@ -104,11 +107,13 @@ def describe(path: Path | str) -> str:
         return f"  engine: unreadable ({exc})"
     if s.get("format", {}).get("name") != ENGINE_FORMAT["name"]:
         return "  engine: not an engine checkpoint (no engine trainer state)"
-    return "\n".join([
-        f"  engine: global step {s['global_step']}, ZeRO stage {s['zero_stage']}, "
-        f"precision {s['precision']}, dp size {s['dp_size']} of world {s['world_size']}",
-        f"  optimizer: {s['optimizer']['class']}, {len(s['optimizer']['param_groups'])} "
-        f"group(s); scheduler: {'yes' if s['lr_scheduler'] else 'none'}; "
-        f"sampler: {'yes' if s['sampler'] else 'none'}",
-        f"  tied aliases: {s['aliases'] or 'none'}",
-    ])
+    return "\n".join(
+        [
+            f"  engine: global step {s['global_step']}, ZeRO stage {s['zero_stage']}, "
+            f"precision {s['precision']}, dp size {s['dp_size']} of world {s['world_size']}",
+            f"  optimizer: {s['optimizer']['class']}, {len(s['optimizer']['param_groups'])} "
+            f"group(s); scheduler: {'yes' if s['lr_scheduler'] else 'none'}; "
+            f"sampler: {'yes' if s['sampler'] else 'none'}",
+            f"  tied aliases: {s['aliases'] or 'none'}",
+        ]
+    )

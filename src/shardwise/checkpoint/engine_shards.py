@@ -73,8 +73,10 @@ class ModelNames:
         aliases: dict[str, str] = {}
         for key, value in module.state_dict(keep_vars=True).items():
             if not isinstance(value, torch.Tensor):
-                raise ValueError(f"state-dict entry {key!r} is not a tensor (extra state); "
-                                 f"engine checkpoints store tensors only")
+                raise ValueError(
+                    f"state-dict entry {key!r} is not a tensor (extra state); "
+                    f"engine checkpoints store tensors only"
+                )
             first = seen.setdefault(id(value), key)
             if first != key:
                 aliases[key] = first
@@ -103,28 +105,32 @@ def _scalar(name: str, key: str, value: Any) -> dict[str, Any]:
         return {"value": value.item(), "dtype": dtype_name(value.dtype)}
     if value is None or isinstance(value, (bool, int, float)):
         return {"value": value, "dtype": None}
-    raise ValueError(f"optimizer state {key!r} of {name!r} is a {type(value).__name__}; "
-                     f"engine checkpoints store tensors and numbers only")
+    raise ValueError(
+        f"optimizer state {key!r} of {name!r} is a {type(value).__name__}; "
+        f"engine checkpoints store tensors and numbers only"
+    )
 
 
-def _split_state(name: str, op: nn.Parameter, state: dict[str, Any]
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+def _split_state(
+    name: str, op: nn.Parameter, state: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
     """(element-wise states, scalar states) of one optimizer parameter."""
     tensors, scalars = {}, {}
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             if value.shape != op.shape:
-                raise ValueError(f"optimizer state {key!r} of {name!r} has shape "
-                                 f"{tuple(value.shape)}, not the parameter piece's "
-                                 f"{tuple(op.shape)}: the optimizer is not element-wise")
+                raise ValueError(
+                    f"optimizer state {key!r} of {name!r} has shape "
+                    f"{tuple(value.shape)}, not the parameter piece's "
+                    f"{tuple(op.shape)}: the optimizer is not element-wise"
+                )
             tensors[key] = value.detach()
         else:
             scalars[key] = _scalar(name, key, value)
     return tensors, scalars
 
 
-def flat_entries(engine: Engine, names: ModelNames
-                 ) -> tuple[list[ShardEntry], ScalarStates]:
+def flat_entries(engine: Engine, names: ModelNames) -> tuple[list[ShardEntry], ScalarStates]:
     """This rank's pieces of ``model/`` and ``optim/`` from the flat buffers, and the scalar
     optimizer states of every parameter piece it holds."""
     entries: list[ShardEntry] = []
@@ -139,7 +145,7 @@ def flat_entries(engine: Engine, names: ModelNames
         for wp in pieces_in(f.slots, f.shard_start, f.shard_stop):
             name, shape = slot_name[wp.slot.offset], wp.slot.shape
             lo = wp.slot.offset + wp.param_start - f.opt_start
-            values = f.master[lo: lo + wp.numel].detach()
+            values = f.master[lo : lo + wp.numel].detach()
             entries.append(ShardEntry(model_key(name), shape, wp.param_start, values.float()))
             if wp.slot.offset not in opt_of:
                 continue
@@ -147,8 +153,7 @@ def flat_entries(engine: Engine, names: ModelNames
             states, _ = _split_state(name, op, engine.optimizer.state.get(op, {}))
             a, b = wp.param_start - pc.param_start, wp.param_stop - pc.param_start
             for key, value in states.items():
-                entries.append(ShardEntry(optim_key(name, key), shape, wp.param_start,
-                                          value[a:b]))
+                entries.append(ShardEntry(optim_key(name, key), shape, wp.param_start, value[a:b]))
     return entries, scalars
 
 
@@ -168,13 +173,25 @@ def replicated_entries(engine: Engine, names: ModelNames) -> list[ShardEntry]:
     for name, p in outside_params(engine):
         lo, hi = even_range(p.numel(), n, r)
         flat = p.detach().reshape(-1)[lo:hi]
-        entries.append(ShardEntry(model_key(name), tuple(p.shape), lo,
-                                  flat.float() if flat.is_floating_point() else flat))
+        entries.append(
+            ShardEntry(
+                model_key(name),
+                tuple(p.shape),
+                lo,
+                flat.float() if flat.is_floating_point() else flat,
+            )
+        )
     if r == 0:
         for name, b in names.buffers.items():
             flat = b.detach().reshape(-1)
-            entries.append(ShardEntry(buffer_key(name), tuple(b.shape), 0,
-                                      flat.float() if flat.is_floating_point() else flat))
+            entries.append(
+                ShardEntry(
+                    buffer_key(name),
+                    tuple(b.shape),
+                    0,
+                    flat.float() if flat.is_floating_point() else flat,
+                )
+            )
     return entries
 
 
@@ -183,16 +200,24 @@ def check_model_matches(reader: CheckpointReader, engine: Engine, names: ModelNa
     ValueError naming the first differences."""
     expected = {model_key(n): tuple(p.shape) for n, p in engine.module.named_parameters()}
     expected.update({buffer_key(n): tuple(b.shape) for n, b in names.buffers.items()})
-    stored = {n: reader.full_shape(n) for n in reader.names()
-              if n.startswith((MODEL_PREFIX, BUFFER_PREFIX))}
+    stored = {
+        n: reader.full_shape(n)
+        for n in reader.names()
+        if n.startswith((MODEL_PREFIX, BUFFER_PREFIX))
+    }
     missing = sorted(set(expected) - set(stored))
     unexpected = sorted(set(stored) - set(expected))
-    shapes = [f"{n} {stored[n]} (model: {expected[n]})" for n in sorted(expected)
-              if n in stored and stored[n] != expected[n]]
+    shapes = [
+        f"{n} {stored[n]} (model: {expected[n]})"
+        for n in sorted(expected)
+        if n in stored and stored[n] != expected[n]
+    ]
     if missing or unexpected or shapes:
-        raise ValueError(f"checkpoint {reader.path} does not fit this model: missing "
-                         f"{missing[:5]}, unexpected {unexpected[:5]}, other shapes "
-                         f"{shapes[:5]}; build the model the checkpoint was saved from")
+        raise ValueError(
+            f"checkpoint {reader.path} does not fit this model: missing "
+            f"{missing[:5]}, unexpected {unexpected[:5]}, other shapes "
+            f"{shapes[:5]}; build the model the checkpoint was saved from"
+        )
 
 
 def _optim_keys(reader: CheckpointReader) -> dict[str, list[str]]:
@@ -200,7 +225,7 @@ def _optim_keys(reader: CheckpointReader) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for n in reader.names():
         if n.startswith(OPTIM_PREFIX):
-            param, key = n[len(OPTIM_PREFIX):].rsplit("/", 1)
+            param, key = n[len(OPTIM_PREFIX) :].rsplit("/", 1)
             out.setdefault(param, []).append(key)
     return out
 
@@ -215,8 +240,9 @@ def _group_of(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
     return {id(p): g for g in optimizer.param_groups for p in g["params"]}
 
 
-def load_flats(engine: Engine, reader: CheckpointReader, names: ModelNames,
-               scalars: ScalarStates) -> None:
+def load_flats(
+    engine: Engine, reader: CheckpointReader, names: ModelNames, scalars: ScalarStates
+) -> None:
     """Fill every master range and optimizer piece this rank holds from ``reader``.
 
     The parameters themselves are refreshed afterwards by ``publish_master``."""
@@ -225,9 +251,10 @@ def load_flats(engine: Engine, reader: CheckpointReader, names: ModelNames,
         slot_name = _slot_names(f, names)
         with torch.no_grad():
             for pc in pieces_in(f.slots, f.opt_start, f.opt_stop):
-                values = reader.read_range(model_key(slot_name[pc.slot.offset]),
-                                           pc.param_start, pc.param_stop)
-                f.master[pc.shard_start: pc.shard_start + pc.numel].copy_(values)
+                values = reader.read_range(
+                    model_key(slot_name[pc.slot.offset]), pc.param_start, pc.param_stop
+                )
+                f.master[pc.shard_start : pc.shard_start + pc.numel].copy_(values)
         for pc, op in zip(f.opt_pieces, f.opt_params):
             name = slot_name[pc.slot.offset]
             state: dict[str, Any] = {}

@@ -90,16 +90,21 @@ def _me() -> int:
 
 # ---- saving ----
 
+
 def _check_saveable(engine: Engine) -> None:
     world = sw_dist.world_size()
     if tuple(engine.group.ranks) != tuple(range(world)):
-        raise ValueError(f"checkpoints need the engine's data-parallel group to be the whole "
-                         f"world in rank order; it is {engine.group} of {world} ranks")
+        raise ValueError(
+            f"checkpoints need the engine's data-parallel group to be the whole "
+            f"world in rank order; it is {engine.group} of {world} ranks"
+        )
     accum = engine.config.gradient_accumulation_steps
     if engine.micro_step % accum:
-        raise ValueError(f"save at an optimizer-step boundary (after engine.step()): micro-step "
-                         f"{engine.micro_step} is inside an accumulation window of {accum}, and "
-                         f"accumulated gradients are not saved")
+        raise ValueError(
+            f"save at an optimizer-step boundary (after engine.step()): micro-step "
+            f"{engine.micro_step} is inside an accumulation window of {accum}, and "
+            f"accumulated gradients are not saved"
+        )
 
 
 def _gather_scalars(engine: Engine, local: ScalarStates) -> ScalarStates:
@@ -109,16 +114,22 @@ def _gather_scalars(engine: Engine, local: ScalarStates) -> ScalarStates:
     for rank, states in enumerate(comm.all_gather_object(local, group=engine.group)):
         for name, values in states.items():
             if merged.setdefault(name, values) != values:
-                raise ValueError(f"scalar optimizer states of {name!r} differ between ranks "
-                                 f"({merged[name]} vs rank {rank}'s {values})")
+                raise ValueError(
+                    f"scalar optimizer states of {name!r} differ between ranks "
+                    f"({merged[name]} vs rank {rank}'s {values})"
+                )
     return merged
 
 
-def save_engine(engine: Engine, root: Path | str, *,
-                sampler: DistributedBatchSampler | None = None,
-                extra: dict[str, Any] | None = None,
-                async_writer: AsyncCheckpointWriter | None = None,
-                verify_writes: bool = True) -> Path:
+def save_engine(
+    engine: Engine,
+    root: Path | str,
+    *,
+    sampler: DistributedBatchSampler | None = None,
+    extra: dict[str, Any] | None = None,
+    async_writer: AsyncCheckpointWriter | None = None,
+    verify_writes: bool = True,
+) -> Path:
     """Save the engine's complete training state as step ``engine.global_step`` under ``root``.
 
     Call on every rank, between optimizer steps. Each rank writes only its pieces (see
@@ -148,16 +159,26 @@ def save_engine(engine: Engine, root: Path | str, *,
     step = engine.global_step
     if async_writer is not None:
         if async_writer.root != Path(root):
-            raise ValueError(f"async_writer saves into {async_writer.root}, not {root}; use a "
-                             f"writer made for this root")
+            raise ValueError(
+                f"async_writer saves into {async_writer.root}, not {root}; use a "
+                f"writer made for this root"
+            )
         async_writer.save(step, entries, state, rank_state())
         return Path(root) / step_dir_name(step)
-    return save_checkpoint(root, step, entries, state, rank_state(),
-                           keep_last=engine.config.keep_last, group=engine.group,
-                           verify_writes=verify_writes)
+    return save_checkpoint(
+        root,
+        step,
+        entries,
+        state,
+        rank_state(),
+        keep_last=engine.config.keep_last,
+        group=engine.group,
+        verify_writes=verify_writes,
+    )
 
 
 # ---- loading ----
+
 
 def _verify_together(step_dir: Path, engine: Engine) -> None:
     """Check the commit, the manifest and every file's sha256, each rank reading a share of the
@@ -168,7 +189,7 @@ def _verify_together(step_dir: Path, engine: Engine) -> None:
         manifest, sha = read_manifest(step_dir)
         check_manifest_sha256(step_dir, sha, recorded)
         files = sorted(manifest.files)
-        for name in files[engine.group.rank::engine.group.size]:
+        for name in files[engine.group.rank :: engine.group.size]:
             record = manifest.files[name]
             check_file(step_dir / name, record.size, record.sha256)
     except CheckpointError as exc:
@@ -181,19 +202,29 @@ def _verify_together(step_dir: Path, engine: Engine) -> None:
 def _check_format(state: dict[str, Any], engine: Engine, step_dir: Path) -> None:
     fmt = state.get("format", {})
     if fmt.get("name") != ENGINE_FORMAT["name"] or fmt.get("version") != ENGINE_FORMAT["version"]:
-        raise CheckpointError(f"not a {ENGINE_FORMAT['name']} v{ENGINE_FORMAT['version']} "
-                              f"checkpoint (trainer_state format {fmt}); read its tensors with "
-                              f"shardwise.checkpoint.CheckpointReader", step_dir)
+        raise CheckpointError(
+            f"not a {ENGINE_FORMAT['name']} v{ENGINE_FORMAT['version']} "
+            f"checkpoint (trainer_state format {fmt}); read its tensors with "
+            f"shardwise.checkpoint.CheckpointReader",
+            step_dir,
+        )
     saved, now = state["optimizer"]["class"], type(engine.optimizer).__name__
     if saved != now:
-        raise ValueError(f"the checkpoint's optimizer is {saved}, this engine's {now}: build the "
-                         f"engine with {saved}, or load only the weights with "
-                         f"engine.load_full_state({step_dir})")
+        raise ValueError(
+            f"the checkpoint's optimizer is {saved}, this engine's {now}: build the "
+            f"engine with {saved}, or load only the weights with "
+            f"engine.load_full_state({step_dir})"
+        )
 
 
-def load_engine(engine: Engine, path_or_root: Path | str, *,
-                sampler: DistributedBatchSampler | None = None,
-                which: str | int = "latest", verify: bool = True) -> dict[str, Any]:
+def load_engine(
+    engine: Engine,
+    path_or_root: Path | str,
+    *,
+    sampler: DistributedBatchSampler | None = None,
+    which: str | int = "latest",
+    verify: bool = True,
+) -> dict[str, Any]:
     """Load a checkpoint of ``save_engine`` into ``engine``; call on every rank.
 
     The world size, ZeRO stage and precision may differ from the saving run: each rank reads
@@ -235,15 +266,25 @@ def load_engine(engine: Engine, path_or_root: Path | str, *,
         engine.zero_grad()
         restore_trainer(engine, state, sampler)
         restore_rng(engine, reader)
-    log.info("rank %d: loaded step %d from %s (saved by %d ranks at stage %d, %s; now %d ranks "
-             "at stage %d, %s)", _me(), engine.global_step, step_dir, state["dp_size"],
-             state["zero_stage"], state["precision"], engine.group.size, engine.stage.stage,
-             engine.config.precision)
+    log.info(
+        "rank %d: loaded step %d from %s (saved by %d ranks at stage %d, %s; now %d ranks "
+        "at stage %d, %s)",
+        _me(),
+        engine.global_step,
+        step_dir,
+        state["dp_size"],
+        state["zero_stage"],
+        state["precision"],
+        engine.group.size,
+        engine.stage.stage,
+        engine.config.precision,
+    )
     return state
 
 
-def resume_engine(engine: Engine, root: Path | str, *,
-                  sampler: DistributedBatchSampler | None = None) -> dict[str, Any] | None:
+def resume_engine(
+    engine: Engine, root: Path | str, *, sampler: DistributedBatchSampler | None = None
+) -> dict[str, Any] | None:
     """Load the newest checkpoint under ``root`` that verifies; None when there is none.
 
     Damaged or uncommitted newer checkpoints are skipped with a warning naming each one and
@@ -254,24 +295,31 @@ def resume_engine(engine: Engine, root: Path | str, *,
     if engine.group.rank == 0:
         try:
             newest, passed_over = find_latest_valid(root)
-            outcome = (None if newest is None else str(newest),
-                       [(str(p), why) for p, why in passed_over])
+            outcome = (
+                None if newest is None else str(newest),
+                [(str(p), why) for p, why in passed_over],
+            )
         except Exception as exc:  # raised on every rank below
             outcome = f"{type(exc).__name__}: {exc}"
     outcome = comm.broadcast_object(outcome, src=engine.group.ranks[0], group=engine.group)
     if isinstance(outcome, str) or outcome is None:
-        raise CheckpointError(f"searching for a checkpoint to resume from failed: {outcome}",
-                              root)
+        raise CheckpointError(f"searching for a checkpoint to resume from failed: {outcome}", root)
     found, skipped = outcome
     if found is None:
-        log.log(logging.WARNING if skipped else logging.INFO,
-                "rank %d: no %scheckpoint in %s: starting fresh", _me(),
-                "valid " if skipped else "", root)
+        log.log(
+            logging.WARNING if skipped else logging.INFO,
+            "rank %d: no %scheckpoint in %s: starting fresh",
+            _me(),
+            "valid " if skipped else "",
+            root,
+        )
         return None
     if skipped and engine.group.rank == 0:  # find_latest_valid logged each one's reason
-        log.warning("rank 0: resume fell back past %d damaged checkpoint(s) %s to %s, the "
-                    "newest one that verifies", len(skipped),
-                    [Path(p).name for p, _ in skipped], found)
+        log.warning(
+            "rank 0: resume fell back past %d damaged checkpoint(s) %s to %s, the "
+            "newest one that verifies",
+            len(skipped),
+            [Path(p).name for p, _ in skipped],
+            found,
+        )
     return load_engine(engine, found, sampler=sampler, verify=False)
-
-

@@ -34,9 +34,9 @@ ENGINE_FORMAT = {
     "name": "shardwise-engine",
     "version": 1,
     "notes": "model/<param>: fp32 master values; optim/<param>/<key>: element-wise optimizer "
-             "states; buffer/<name>: persistent buffers (floating ones fp32); "
-             "optimizer.scalar_states: per-parameter scalar states; aliases: state-dict keys "
-             "that name an already stored tensor (tied weights)",
+    "states; buffer/<name>: persistent buffers (floating ones fp32); "
+    "optimizer.scalar_states: per-parameter scalar states; aliases: state-dict keys "
+    "that name an already stored tensor (tied weights)",
 }
 _ITEMS_TAG = "__items__"  # a dict whose keys are not all strings, as [[key, value], ...]
 
@@ -46,6 +46,7 @@ def _me() -> int:
 
 
 # ---- JSON for scheduler and optimizer hyperparameters ----
+
 
 def _to_json(value: Any, where: str) -> Any:
     """``value`` as JSON types (tensors of one element become numbers); ValueError naming
@@ -59,10 +60,15 @@ def _to_json(value: Any, where: str) -> Any:
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value):
             return {k: _to_json(v, f"{where}.{k}") for k, v in value.items()}
-        return {_ITEMS_TAG: [[_to_json(k, where), _to_json(v, f"{where}[{k!r}]")]
-                             for k, v in value.items()]}
-    raise ValueError(f"{where} is a {type(value).__name__}, which a checkpoint's trainer state "
-                     f"(JSON) cannot hold")
+        return {
+            _ITEMS_TAG: [
+                [_to_json(k, where), _to_json(v, f"{where}[{k!r}]")] for k, v in value.items()
+            ]
+        }
+    raise ValueError(
+        f"{where} is a {type(value).__name__}, which a checkpoint's trainer state "
+        f"(JSON) cannot hold"
+    )
 
 
 def _from_json(value: Any) -> Any:
@@ -102,12 +108,13 @@ def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return groups
 
 
-def _restore_hyperparameters(optimizer: torch.optim.Optimizer,
-                             saved: list[dict[str, Any]]) -> None:
+def _restore_hyperparameters(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:
     if len(saved) != len(optimizer.param_groups):
-        raise ValueError(f"the checkpoint's optimizer has {len(saved)} parameter groups, this "
-                         f"one {len(optimizer.param_groups)}; build the optimizer with the same "
-                         f"groups")
+        raise ValueError(
+            f"the checkpoint's optimizer has {len(saved)} parameter groups, this "
+            f"one {len(optimizer.param_groups)}; build the optimizer with the same "
+            f"groups"
+        )
     for group, values in zip(optimizer.param_groups, saved):
         for k, v in values.items():
             now = group.get(k)
@@ -119,9 +126,13 @@ def _restore_hyperparameters(optimizer: torch.optim.Optimizer,
                 group[k] = v
 
 
-def trainer_state(engine: Engine, names: ModelNames, scalars: ScalarStates,
-                  sampler: DistributedBatchSampler | None, extra: dict[str, Any] | None
-                  ) -> dict[str, Any]:
+def trainer_state(
+    engine: Engine,
+    names: ModelNames,
+    scalars: ScalarStates,
+    sampler: DistributedBatchSampler | None,
+    extra: dict[str, Any] | None,
+) -> dict[str, Any]:
     """The JSON record of ``engine``'s run (see the module docstring); ``scalars`` are the
     merged scalar optimizer states of every parameter."""
     sched = engine.lr_scheduler
@@ -137,9 +148,11 @@ def trainer_state(engine: Engine, names: ModelNames, scalars: ScalarStates,
         "precision": engine.config.precision,
         "loss_scaler": {"enabled": engine.scaler.enabled, **engine.scaler.state_dict()},
         "lr_scheduler": None if sched is None else _to_json(sched.state_dict(), "lr_scheduler"),
-        "optimizer": {"class": type(engine.optimizer).__name__,
-                      "param_groups": _hyperparameters(engine.optimizer),
-                      "scalar_states": scalars},
+        "optimizer": {
+            "class": type(engine.optimizer).__name__,
+            "param_groups": _hyperparameters(engine.optimizer),
+            "scalar_states": scalars,
+        },
         "sampler": None if sampler is None else sampler.state_dict(),
         "aliases": names.aliases,
         "extra": extra or {},
@@ -149,12 +162,17 @@ def trainer_state(engine: Engine, names: ModelNames, scalars: ScalarStates,
 def rank_state() -> dict[str, Any]:
     """This process's RNG states: python, numpy, torch CPU and (once initialized) CUDA."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(), "cuda": cuda}
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": cuda,
+    }
 
 
-def restore_trainer(engine: Engine, state: dict[str, Any],
-                    sampler: DistributedBatchSampler | None) -> None:
+def restore_trainer(
+    engine: Engine, state: dict[str, Any], sampler: DistributedBatchSampler | None
+) -> None:
     """Steps, loss scaler (when both runs scale), optimizer hyperparameters, scheduler and
     ``sampler`` from a trainer state. A micro step that does not fall on an optimizer-step
     boundary of this run's accumulation is set to ``global_step * accumulation``."""
@@ -171,9 +189,13 @@ def restore_trainer(engine: Engine, state: dict[str, Any],
     if engine.lr_scheduler is not None and sched is not None:
         engine.lr_scheduler.load_state_dict(_scheduler_state(engine.lr_scheduler, sched))
     elif (engine.lr_scheduler is None) != (sched is None):
-        log.warning("rank %d: the checkpoint %s a learning-rate scheduler state, the engine %s "
-                    "a scheduler: not restored", _me(), "has" if sched else "has no",
-                    "has no" if engine.lr_scheduler is None else "has")
+        log.warning(
+            "rank %d: the checkpoint %s a learning-rate scheduler state, the engine %s "
+            "a scheduler: not restored",
+            _me(),
+            "has" if sched else "has no",
+            "has no" if engine.lr_scheduler is None else "has",
+        )
     if sampler is not None:
         if state.get("sampler") is None:
             raise ValueError("the checkpoint holds no sampler state; load without sampler=")
@@ -188,14 +210,22 @@ def restore_rng(engine: Engine, reader: CheckpointReader) -> None:
         random.setstate(rs["python"])
         np.random.set_state(rs["numpy"])
         torch.set_rng_state(rs["torch"])
-        if rs["cuda"] is not None and torch.cuda.is_available() \
-                and len(rs["cuda"]) == torch.cuda.device_count():
+        if (
+            rs["cuda"] is not None
+            and torch.cuda.is_available()
+            and len(rs["cuda"]) == torch.cuda.device_count()
+        ):
             torch.cuda.set_rng_state_all(rs["cuda"])
         return
     seed = engine.config.seed + engine.global_step
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    log.info("rank %d: checkpoint written by %d ranks, now %d: RNG states not restored; "
-             "re-seeded with config.seed + global_step = %d", _me(), reader.world_size,
-             engine.group.size, seed)
+    log.info(
+        "rank %d: checkpoint written by %d ranks, now %d: RNG states not restored; "
+        "re-seeded with config.seed + global_step = %d",
+        _me(),
+        reader.world_size,
+        engine.group.size,
+        seed,
+    )

@@ -35,17 +35,19 @@ def _export(args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
-    print(f"exported {len(names)} tensors (fp32 model state, tied aliases included) to "
-          f"{args.out}")
+    print(f"exported {len(names)} tensors (fp32 model state, tied aliases included) to {args.out}")
     return 0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``shardwise checkpoint inspect | verify | export``."""
-    p = sub.add_parser("checkpoint", help="inspect, verify or export a sharded checkpoint",
-                       description="Offline tools for sharded checkpoints. PATH is a "
-                                   "checkpoint root (its latest committed step) or a step-N "
-                                   "directory.")
+    p = sub.add_parser(
+        "checkpoint",
+        help="inspect, verify or export a sharded checkpoint",
+        description="Offline tools for sharded checkpoints. PATH is a "
+        "checkpoint root (its latest committed step) or a step-N "
+        "directory.",
+    )
     cmds = p.add_subparsers(dest="checkpoint_command", required=True)
     c = cmds.add_parser("inspect", help="summary: tensors, bytes, run settings, verification")
     c.add_argument("path", type=Path)
@@ -53,8 +55,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c = cmds.add_parser("verify", help="check every file's sha256; exit code 1 when damaged")
     c.add_argument("path", type=Path)
     c.set_defaults(func=_verify)
-    c = cmds.add_parser("export", help="write the full fp32 model state to one safetensors "
-                                       "file that loads into the plain model")
+    c = cmds.add_parser(
+        "export",
+        help="write the full fp32 model state to one safetensors "
+        "file that loads into the plain model",
+    )
     c.add_argument("path", type=Path)
     c.add_argument("out", type=Path, help="output file, e.g. model.safetensors")
     c.set_defaults(func=_export)

@@ -1,7 +1,7 @@
 """``shardwise estimate``: memory per rank under each ZeRO stage, before training anything.
 
-    shardwise estimate --params 7e9 --world-size 64 --precision bf16 --device-memory 80GB
-    shardwise estimate --model small --micro-batch 16 --world-size 2
+shardwise estimate --params 7e9 --world-size 64 --precision bf16 --device-memory 80GB
+shardwise estimate --model small --micro-batch 16 --world-size 2
 """
 
 from __future__ import annotations
@@ -35,28 +35,51 @@ def parse_count(text: str) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("estimate", help="memory per rank under each ZeRO stage",
-                       description="Estimate params, grads and optimizer bytes per rank for "
-                                   "ZeRO stages 0-3 (Adam(W)); with --model also activation "
-                                   "memory with and without activation checkpointing.")
+    p = sub.add_parser(
+        "estimate",
+        help="memory per rank under each ZeRO stage",
+        description="Estimate params, grads and optimizer bytes per rank for "
+        "ZeRO stages 0-3 (Adam(W)); with --model also activation "
+        "memory with and without activation checkpointing.",
+    )
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", help="parameter count, e.g. 7e9 or 125M")
     what.add_argument("--model", help=f"a model preset: {' | '.join(MODEL_SIZES)}")
-    p.add_argument("--world-size", type=int, default=2,
-                   help="data-parallel ranks sharding the states (default 2)")
-    p.add_argument("--precision", default="fp32",
-                   help=f"{' | '.join(PRECISIONS)} (default fp32; bf16/fp16 keep fp32 masters)")
-    p.add_argument("--reduce-dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="dtype gradients are reduced and sharded gradients kept in "
-                        "(default fp32, as the engine)")
-    p.add_argument("--offload", action="store_true",
-                   help="optimizer states and master weights in host memory")
-    p.add_argument("--device-memory", help="memory per device, e.g. 80GB or 24GiB: adds a "
-                                           "'fits' column")
-    p.add_argument("--micro-batch", type=int, default=16,
-                   help="with --model: sequences per rank per micro-step (default 16)")
-    p.add_argument("--seq-len", type=int, help="with --model: tokens per sequence "
-                                               "(default: the model's context length)")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=2,
+        help="data-parallel ranks sharding the states (default 2)",
+    )
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        help=f"{' | '.join(PRECISIONS)} (default fp32; bf16/fp16 keep fp32 masters)",
+    )
+    p.add_argument(
+        "--reduce-dtype",
+        choices=["fp32", "bf16", "fp16"],
+        default=None,
+        help="dtype gradients are reduced and sharded gradients kept in "
+        "(default fp32, as the engine)",
+    )
+    p.add_argument(
+        "--offload", action="store_true", help="optimizer states and master weights in host memory"
+    )
+    p.add_argument(
+        "--device-memory", help="memory per device, e.g. 80GB or 24GiB: adds a 'fits' column"
+    )
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=16,
+        help="with --model: sequences per rank per micro-step (default 16)",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        help="with --model: tokens per sequence (default: the model's context length)",
+    )
     p.set_defaults(func=run_estimate)
 
 
@@ -68,8 +91,7 @@ def _peak_table(states: dict[int, int], act: int, act_ckpt: int, device: int | N
     for stage, s in sorted(states.items()):
         row = [str(stage), format_bytes(s), format_bytes(s + act), format_bytes(s + act_ckpt)]
         if device is not None:
-            fits = ["yes" if s + act <= device else "no",
-                    "yes" if s + act_ckpt <= device else "no"]
+            fits = ["yes" if s + act <= device else "no", "yes" if s + act_ckpt <= device else "no"]
             row.append(" / ".join(fits) + " (plain / ckpt)")
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -80,36 +102,43 @@ def run_estimate(args: argparse.Namespace) -> int:
     if args.world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
     if args.precision not in PRECISIONS:
-        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, "
-                         f"got {args.precision!r}")
+        raise ValueError(
+            f"--precision must be one of {', '.join(PRECISIONS)}, got {args.precision!r}"
+        )
     device = parse_bytes(args.device_memory) if args.device_memory else None
     cfg: GPTConfig | None = None
     if args.model is not None:
         if args.model not in MODEL_SIZES:
-            raise ValueError(f"--model {args.model!r} is unknown: choose one of "
-                             f"{', '.join(MODEL_SIZES)}")
+            raise ValueError(
+                f"--model {args.model!r} is unknown: choose one of {', '.join(MODEL_SIZES)}"
+            )
         cfg = GPTConfig.named(args.model)
         num_params = cfg.param_count()
     else:
         num_params = parse_count(args.params)
-    estimates = estimate_model_states(num_params, args.world_size, args.precision, args.offload,
-                                      reduce_dtype=args.reduce_dtype)
+    estimates = estimate_model_states(
+        num_params, args.world_size, args.precision, args.offload, reduce_dtype=args.reduce_dtype
+    )
     name = f"{args.model} model, " if cfg else ""
-    print(f"{name}{num_params:,} parameters, {args.world_size} ranks, {args.precision}"
-          f"{', optimizer offloaded to host' if args.offload else ''}; Adam(W) states")
+    print(
+        f"{name}{num_params:,} parameters, {args.world_size} ranks, {args.precision}"
+        f"{', optimizer offloaded to host' if args.offload else ''}; Adam(W) states"
+    )
     print()
     print("model states per rank")
     print(format_estimate_table(estimates, device if cfg is None else None))
     if cfg is not None:
         seq_len = args.seq_len or cfg.seq_len
         act = estimate_activations(cfg, args.micro_batch, seq_len, args.precision)
-        act_ckpt = estimate_activations(cfg, args.micro_batch, seq_len, args.precision,
-                                        checkpointing=True)
+        act_ckpt = estimate_activations(
+            cfg, args.micro_batch, seq_len, args.precision, checkpointing=True
+        )
         print()
-        print(f"activations per rank (micro-batch {args.micro_batch} x {seq_len} tokens): "
-              f"{format_bytes(act)}; with activation checkpointing: {format_bytes(act_ckpt)}")
+        print(
+            f"activations per rank (micro-batch {args.micro_batch} x {seq_len} tokens): "
+            f"{format_bytes(act)}; with activation checkpointing: {format_bytes(act_ckpt)}"
+        )
         print()
         print("peak per rank on the device (model states + activations)")
-        print(_peak_table({s: e.device_bytes for s, e in estimates.items()}, act, act_ckpt,
-                          device))
+        print(_peak_table({s: e.device_bytes for s, e in estimates.items()}, act, act_ckpt, device))
     return 0

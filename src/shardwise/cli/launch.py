@@ -21,14 +21,25 @@ def free_port() -> int:
 
 
 def add_launch_args(p: argparse.ArgumentParser, default_nproc: int = 1) -> None:
-    p.add_argument("--nproc-per-node", type=int, default=default_nproc,
-                   help=f"ranks to start on this machine (default {default_nproc})")
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=default_nproc,
+        help=f"ranks to start on this machine (default {default_nproc})",
+    )
     p.add_argument("--nnodes", type=int, default=1, help="number of machines (default 1)")
     p.add_argument("--node-rank", type=int, default=0, help="this machine's index (multi-node)")
-    p.add_argument("--rdzv-endpoint", default=None,
-                   help="HOST:PORT of the rendezvous (multi-node; default: a free local port)")
-    p.add_argument("--max-restarts", type=int, default=0,
-                   help="restart all ranks up to K times after a failure (default 0)")
+    p.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        help="HOST:PORT of the rendezvous (multi-node; default: a free local port)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart all ranks up to K times after a failure (default 0)",
+    )
 
 
 def check_launch_args(args: argparse.Namespace) -> None:
@@ -48,13 +59,19 @@ def torchrun_argv(args: argparse.Namespace, target: list[str]) -> list[str]:
     """The torch.distributed.run command line for these options; ``target`` is the script (or
     ``-m module``) and its arguments."""
     check_launch_args(args)
-    argv = [f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}",
-            f"--max-restarts={args.max_restarts}"]
+    argv = [
+        f"--nproc-per-node={args.nproc_per_node}",
+        f"--nnodes={args.nnodes}",
+        f"--max-restarts={args.max_restarts}",
+    ]
     if args.nnodes == 1 and not args.rdzv_endpoint:
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
     else:
-        argv += [f"--node-rank={args.node_rank}", "--rdzv-backend=c10d",
-                 f"--rdzv-endpoint={args.rdzv_endpoint}"]
+        argv += [
+            f"--node-rank={args.node_rank}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={args.rdzv_endpoint}",
+        ]
     return argv + target
 
 

@@ -28,9 +28,13 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """``run`` here; every other command is a ``shardwise.cli.*_cmd`` module whose
     ``add_parser(subparsers)`` registers it."""
-    parser = argparse.ArgumentParser(prog="shardwise", description=(
-        "Train PyTorch models across ranks with ZeRO sharding, mixed precision and "
-        "fault-tolerant checkpoints."))
+    parser = argparse.ArgumentParser(
+        prog="shardwise",
+        description=(
+            "Train PyTorch models across ranks with ZeRO sharding, mixed precision and "
+            "fault-tolerant checkpoints."
+        ),
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
     import shardwise.cli as cli_pkg

@@ -26,38 +26,66 @@ DEFAULT_CHECKPOINT_EVERY = 100
 
 # TrainOptions fields a resumed run may change; everything else shapes the run and must stay.
 RESUMABLE = ("steps", "eval_every", "eval_batches", "log_every")
-TRAIN_FLAGS = ("model", "steps", "seq_len", "lr", "warmup_steps", "eval_every", "eval_batches",
-               "log_every", "data", "max_bytes")
-ENGINE_FLAGS = {"zero": "zero_stage", "precision": "precision",
-                "micro_batch": "micro_batch_size", "grad_accum": "gradient_accumulation_steps",
-                "seed": "seed"}
+TRAIN_FLAGS = (
+    "model",
+    "steps",
+    "seq_len",
+    "lr",
+    "warmup_steps",
+    "eval_every",
+    "eval_batches",
+    "log_every",
+    "data",
+    "max_bytes",
+)
+ENGINE_FLAGS = {
+    "zero": "zero_stage",
+    "precision": "precision",
+    "micro_batch": "micro_batch_size",
+    "grad_accum": "gradient_accumulation_steps",
+    "seed": "seed",
+}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "train", help="train a GPT on a byte-level text corpus across ranks",
+        "train",
+        help="train a GPT on a byte-level text corpus across ranks",
         description="Train a GPT on a byte-level corpus (default: the Python standard library's "
-                    "sources) on N ranks with ZeRO. Writes config.json, metrics.jsonl, "
-                    "checkpoints and summary.json into the run directory.")
+        "sources) on N ranks with ZeRO. Writes config.json, metrics.jsonl, "
+        "checkpoints and summary.json into the run directory.",
+    )
     add_launch_args(p, default_nproc=DEFAULT_NPROC)
     p.set_defaults(nproc_per_node=None, func=run_train)  # None: given or not, decided below
     g = p.add_argument_group("engine")
     g.add_argument("--zero", type=int, help="ZeRO stage 0-3 (default 0)")
     g.add_argument("--precision", help=f"{' | '.join(PRECISIONS)} (default fp32)")
-    g.add_argument("--micro-batch", type=int,
-                   help=f"sequences per rank per micro-step (default {DEFAULT_MICRO_BATCH})")
+    g.add_argument(
+        "--micro-batch",
+        type=int,
+        help=f"sequences per rank per micro-step (default {DEFAULT_MICRO_BATCH})",
+    )
     g.add_argument("--grad-accum", type=int, help="micro-steps per optimizer step (default 1)")
-    g.add_argument("--activation-checkpointing", action="store_true", default=None,
-                   help="recompute each transformer block's activations in backward")
-    g.add_argument("--checkpoint-every", type=int,
-                   help=f"save a checkpoint every N steps (default {DEFAULT_CHECKPOINT_EVERY}; "
-                        "0: only at the end)")
+    g.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        default=None,
+        help="recompute each transformer block's activations in backward",
+    )
+    g.add_argument(
+        "--checkpoint-every",
+        type=int,
+        help=f"save a checkpoint every N steps (default {DEFAULT_CHECKPOINT_EVERY}; "
+        "0: only at the end)",
+    )
     g.add_argument("--seed", type=int, help="seed of weights and data order (default 0)")
-    g.add_argument("--config", type=Path,
-                   help="a shardwise Config file (.toml/.json/.yaml); flags override it")
+    g.add_argument(
+        "--config", type=Path, help="a shardwise Config file (.toml/.json/.yaml); flags override it"
+    )
     t = p.add_argument_group("training")
-    t.add_argument("--model", help="model preset: tiny | small | medium | anchor | gpt2 "
-                                   "(default small)")
+    t.add_argument(
+        "--model", help="model preset: tiny | small | medium | anchor | gpt2 (default small)"
+    )
     t.add_argument("--steps", type=int, help=f"optimizer steps (default {DEFAULT_STEPS})")
     t.add_argument("--lr", type=float, help="peak learning rate, AdamW (default 3e-3)")
     t.add_argument("--warmup-steps", type=int, help="linear warmup (default 10%% of steps)")
@@ -68,10 +96,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--data", help="text file or directory (default: the Python stdlib)")
     t.add_argument("--max-bytes", type=int, help="read at most this many corpus bytes")
     r = p.add_argument_group("run directory")
-    r.add_argument("--run-dir", type=Path, help="where the run's files go (default "
-                                                "runs/<timestamp>; with --resume: the newest)")
-    r.add_argument("--resume", action="store_true",
-                   help="continue the run in --run-dir from its newest checkpoint")
+    r.add_argument(
+        "--run-dir",
+        type=Path,
+        help="where the run's files go (default runs/<timestamp>; with --resume: the newest)",
+    )
+    r.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --run-dir from its newest checkpoint",
+    )
 
 
 def _given(args: argparse.Namespace, names: tuple[str, ...] | list[str]) -> dict[str, Any]:
@@ -82,8 +116,9 @@ def _check_engine_flags(args: argparse.Namespace) -> None:
     if args.zero is not None and args.zero not in (0, 1, 2, 3):
         raise ValueError(f"--zero must be one of 0, 1, 2, 3, got {args.zero}")
     if args.precision is not None and args.precision not in PRECISIONS:
-        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, "
-                         f"got {args.precision!r}")
+        raise ValueError(
+            f"--precision must be one of {', '.join(PRECISIONS)}, got {args.precision!r}"
+        )
     for flag in ("micro_batch", "grad_accum"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -117,16 +152,21 @@ def _engine_config(args: argparse.Namespace, run_dir: RunDir) -> Config:
 def _new_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir]:
     run_dir = RunDir(args.run_dir) if args.run_dir else new_run_dir()
     if run_dir.exists():
-        raise ValueError(f"{run_dir.root} already holds a run: pass --resume to continue it, "
-                         "or choose another --run-dir")
+        raise ValueError(
+            f"{run_dir.root} already holds a run: pass --resume to continue it, "
+            "or choose another --run-dir"
+        )
     args.nproc_per_node = DEFAULT_NPROC if args.nproc_per_node is None else args.nproc_per_node
     check_launch_args(args)
     if args.data is not None and Path(args.data).exists():
         args.data = str(Path(args.data).resolve())  # ranks and resumes may run elsewhere
     opts = TrainOptions(**_given(args, TRAIN_FLAGS))
-    run = RunConfig(train=opts, engine=_engine_config(args, run_dir),
-                    world_size=args.nproc_per_node * args.nnodes,
-                    launch={"nproc_per_node": args.nproc_per_node, "nnodes": args.nnodes})
+    run = RunConfig(
+        train=opts,
+        engine=_engine_config(args, run_dir),
+        world_size=args.nproc_per_node * args.nnodes,
+        launch={"nproc_per_node": args.nproc_per_node, "nnodes": args.nnodes},
+    )
     return run, run_dir
 
 
@@ -136,8 +176,11 @@ def _changed_on_resume(args: argparse.Namespace, run: RunConfig) -> list[str]:
     saved.update({flag: getattr(run.engine, key) for flag, key in ENGINE_FLAGS.items()})
     saved["activation_checkpointing"] = bool(run.engine.activation_checkpointing) or None
     saved["config"] = None
-    return [f for f, v in saved.items()
-            if f not in RESUMABLE and getattr(args, f) is not None and getattr(args, f) != v]
+    return [
+        f
+        for f, v in saved.items()
+        if f not in RESUMABLE and getattr(args, f) is not None and getattr(args, f) != v
+    ]
 
 
 def _resumed_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir]:
@@ -146,20 +189,25 @@ def _resumed_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir]:
     changed = _changed_on_resume(args, run)
     if changed:
         allowed = ", ".join("--" + f.replace("_", "-") for f in (*RESUMABLE, "checkpoint_every"))
-        raise ValueError(f"--{changed[0].replace('_', '-')} cannot change when resuming: the "
-                         f"run keeps its model, data and batch shape; only {allowed} may")
+        raise ValueError(
+            f"--{changed[0].replace('_', '-')} cannot change when resuming: the "
+            f"run keeps its model, data and batch shape; only {allowed} may"
+        )
     saved_nproc = run.launch.get("nproc_per_node", run.world_size)
     args.nproc_per_node = saved_nproc if args.nproc_per_node is None else args.nproc_per_node
     check_launch_args(args)
     if args.nproc_per_node * args.nnodes != run.world_size:
-        raise ValueError(f"the run was trained on {run.world_size} ranks: resume it with "
-                         f"--nproc-per-node {saved_nproc}")
+        raise ValueError(
+            f"the run was trained on {run.world_size} ranks: resume it with "
+            f"--nproc-per-node {saved_nproc}"
+        )
     opts = dataclasses.replace(run.train, **_given(args, RESUMABLE))
     engine = run.engine
     if args.checkpoint_every is not None:
         engine = engine.replace(checkpoint_every=args.checkpoint_every)
-    return RunConfig(train=opts, engine=engine, world_size=run.world_size,
-                     launch=run.launch), run_dir
+    return RunConfig(
+        train=opts, engine=engine, world_size=run.world_size, launch=run.launch
+    ), run_dir
 
 
 def _report(run_dir: RunDir, code: int) -> None:
@@ -171,14 +219,18 @@ def _report(run_dir: RunDir, code: int) -> None:
     val, base = summary.get("final_val_loss"), summary["unigram_baseline"]
     val_text = "n/a" if val is None else f"{val:.3f}"
     rate = summary.get("tokens_per_s")
-    print(f"{summary['status']} at step {summary['steps']}: validation loss {val_text} nats "
-          f"(unigram baseline {base:.3f}), {format_rate(rate) if rate else 'n/a'} at "
-          f"{summary['world_size']} ranks, wall time {format_duration(summary['wall_time_s'])}")
+    print(
+        f"{summary['status']} at step {summary['steps']}: validation loss {val_text} nats "
+        f"(unigram baseline {base:.3f}), {format_rate(rate) if rate else 'n/a'} at "
+        f"{summary['world_size']} ranks, wall time {format_duration(summary['wall_time_s'])}"
+    )
     print(f"run directory: {run_dir.root}")
     if summary["status"] != "finished":
         print(f"continue with: shardwise train --run-dir {run_dir.root} --resume")
-    print(f"plots: shardwise report {run_dir.root}    sample: shardwise generate "
-          f"{run_dir.root} --prompt 'def '")
+    print(
+        f"plots: shardwise report {run_dir.root}    sample: shardwise generate "
+        f"{run_dir.root} --prompt 'def '"
+    )
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -186,9 +238,12 @@ def run_train(args: argparse.Namespace) -> int:
     run, run_dir = _resumed_run(args) if args.resume else _new_run(args)
     run_dir.root.mkdir(parents=True, exist_ok=True)
     run.write(run_dir.config)
-    print(f"shardwise train: {run.train.model} model, {run.world_size} ranks, "
-          f"ZeRO-{run.engine.zero_stage}, {run.engine.precision}, {run.train.steps} steps of "
-          f"{run.tokens_per_step} tokens -> {run_dir.root}", flush=True)
+    print(
+        f"shardwise train: {run.train.model} model, {run.world_size} ranks, "
+        f"ZeRO-{run.engine.zero_stage}, {run.engine.precision}, {run.train.steps} steps of "
+        f"{run.tokens_per_step} tokens -> {run_dir.root}",
+        flush=True,
+    )
     if args.nproc_per_node > 1:  # what the elastic launcher would set, minus its warning
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     target = ["-m", "shardwise.train.worker", str(run_dir.root)]

@@ -91,8 +91,12 @@ def resolve(group: Group | ProcessGroup | None) -> Group:
     )
 
 
-def new_group(ranks: list[int] | tuple[int, ...], timeout_s: float | None = None,
-              name: str | None = None, dedicated: bool = False) -> Group:
+def new_group(
+    ranks: list[int] | tuple[int, ...],
+    timeout_s: float | None = None,
+    name: str | None = None,
+    dedicated: bool = False,
+) -> Group:
     """Form a group of the given global ranks. Every rank of the world must call it, in the
     same order as every other ``new_group`` (torch's rule).
 
@@ -123,8 +127,12 @@ def new_group(ranks: list[int] | tuple[int, ...], timeout_s: float | None = None
     return Group(pg if sw_dist.rank() in ranks else None, ranks, name, timeout)
 
 
-def split(color: int | None, key: int = 0, group: Group | ProcessGroup | None = None,
-          timeout_s: float | None = None) -> Group | None:
+def split(
+    color: int | None,
+    key: int = 0,
+    group: Group | ProcessGroup | None = None,
+    timeout_s: float | None = None,
+) -> Group | None:
     """MPI_Comm_split: ranks of ``group`` passing the same ``color`` form one new group, ordered
     by ``key`` then by their rank in ``group``. ``color=None`` (MPI_UNDEFINED) joins no group
     and returns None. Every rank of the world must call it (torch forms groups collectively).
@@ -148,8 +156,7 @@ def split(color: int | None, key: int = 0, group: Group | ProcessGroup | None = 
     # Groups beyond the parent are formed by the whole world; ranks outside the parent learn the
     # layout from the parent's lowest rank so that every rank calls new_group the same times.
     if parent.size != sw_dist.world_size():
-        members = ops.broadcast_object(members if parent.rank == 0 else None,
-                                       src=parent.ranks[0])
+        members = ops.broadcast_object(members if parent.rank == 0 else None, src=parent.ranks[0])
     result = None
     for c in sorted(members):
         ordered = tuple(r for _, _, r in sorted(members[c]))

@@ -20,10 +20,22 @@ from shardwise.comm.stats import STATS
 
 GroupLike = Group | ProcessGroup | None
 
-REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
-              "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
-                    torch.int8, torch.uint8, torch.int32, torch.int64)
+REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+SUPPORTED_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+)
 
 P2P_TAG = 0x5357  # gloo slots for point-to-point collectives (apart from user send/recv)
 
@@ -34,8 +46,15 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 class Handle:
     """An op in flight. ``wait()`` blocks until it is complete and returns its result."""
 
-    def __init__(self, op: str, entry: trace.TraceEntry, group: Group,
-                 works: list[Any], finish: Callable[[], Any], t0: float) -> None:
+    def __init__(
+        self,
+        op: str,
+        entry: trace.TraceEntry,
+        group: Group,
+        works: list[Any],
+        finish: Callable[[], Any],
+        t0: float,
+    ) -> None:
         self._op, self._entry, self._group = op, entry, group
         self._works, self._finish, self._t0 = works, finish, t0
         self._done = False
@@ -76,9 +95,16 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _launch(op: str, group: Group, tensors: Sequence[torch.Tensor], nbytes: int,
-            issue: Callable[[], list[Any]], finish: Callable[[], Any], async_op: bool,
-            extra: str = "") -> Any:
+def _launch(
+    op: str,
+    group: Group,
+    tensors: Sequence[torch.Tensor],
+    nbytes: int,
+    issue: Callable[[], list[Any]],
+    finish: Callable[[], Any],
+    async_op: bool,
+    extra: str = "",
+) -> Any:
     """Trace, optionally desync-check, count, issue, and wait unless ``async_op``."""
     if not group.is_member:
         raise ValueError(f"{op}: this rank is not a member of {group}")
@@ -110,11 +136,13 @@ def _finish_avg(t: torch.Tensor, op: str, size: int) -> Callable[[], torch.Tenso
         if op == "avg" and size > 1:
             t.div_(size)
         return t
+
     return finish
 
 
-def all_reduce(t: torch.Tensor, op: str = "sum", group: GroupLike = None,
-               async_op: bool = False) -> torch.Tensor | Handle:
+def all_reduce(
+    t: torch.Tensor, op: str = "sum", group: GroupLike = None, async_op: bool = False
+) -> torch.Tensor | Handle:
     """Reduce ``t`` in place across the group. ``avg`` on gloo is a sum then a division.
 
     Communicates: all_reduce of ``t`` (payload: t's bytes).
@@ -124,13 +152,21 @@ def all_reduce(t: torch.Tensor, op: str = "sum", group: GroupLike = None,
     _check_tensor(t, "t", "all_reduce")
     if op == "avg" and not t.is_floating_point():
         raise TypeError(f"all_reduce: op 'avg' needs a floating dtype, got {t.dtype}")
-    return _launch("all_reduce", g, [t], _nbytes(t),
-                   lambda: [dist.all_reduce(t, rop, group=g.pg, async_op=True)],
-                   _finish_avg(t, op, g.size), async_op, f"op={op}, ")
+    return _launch(
+        "all_reduce",
+        g,
+        [t],
+        _nbytes(t),
+        lambda: [dist.all_reduce(t, rop, group=g.pg, async_op=True)],
+        _finish_avg(t, op, g.size),
+        async_op,
+        f"op={op}, ",
+    )
 
 
-def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: str = "sum",
-                         group: GroupLike = None) -> list[torch.Tensor]:
+def all_reduce_coalesced(
+    tensors: Sequence[torch.Tensor], op: str = "sum", group: GroupLike = None
+) -> list[torch.Tensor]:
     """All-reduce many small tensors as one flat buffer per dtype (one collective each), then
     copy the results back in place. Communicates: one all_reduce per dtype present."""
     by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -141,13 +177,14 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: str = "sum",
         all_reduce(flat, op=op, group=group)
         offset = 0
         for t in ts:
-            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
     return list(tensors)
 
 
-def broadcast(t: torch.Tensor, src: int = 0, group: GroupLike = None,
-              async_op: bool = False) -> torch.Tensor | Handle:
+def broadcast(
+    t: torch.Tensor, src: int = 0, group: GroupLike = None, async_op: bool = False
+) -> torch.Tensor | Handle:
     """Copy ``t`` from global rank ``src`` to every rank of the group, in place.
 
     Communicates: broadcast of ``t`` (payload: t's bytes)."""
@@ -155,13 +192,24 @@ def broadcast(t: torch.Tensor, src: int = 0, group: GroupLike = None,
     _check_tensor(t, "t", "broadcast")
     if src not in g.ranks:
         raise ValueError(f"broadcast: src rank {src} is not in {g}; allowed: {list(g.ranks)}")
-    return _launch("broadcast", g, [t], _nbytes(t),
-                   lambda: [dist.broadcast(t, src, group=g.pg, async_op=True)],
-                   lambda: t, async_op, f"src={src}, ")
+    return _launch(
+        "broadcast",
+        g,
+        [t],
+        _nbytes(t),
+        lambda: [dist.broadcast(t, src, group=g.pg, async_op=True)],
+        lambda: t,
+        async_op,
+        f"src={src}, ",
+    )
 
 
-def all_gather(t: torch.Tensor, group: GroupLike = None, async_op: bool = False,
-               out: torch.Tensor | None = None) -> torch.Tensor | Handle:
+def all_gather(
+    t: torch.Tensor,
+    group: GroupLike = None,
+    async_op: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | Handle:
     """Concatenate every rank's ``t`` along dim 0 in group-rank order (a 0-d tensor counts as
     one element). Every rank must pass the same shape; ``t`` may be this rank's chunk of
     ``out``.
@@ -174,12 +222,13 @@ def all_gather(t: torch.Tensor, group: GroupLike = None, async_op: bool = False,
     if out is None:
         out = torch.empty(shape, dtype=t.dtype, device=t.device)
     elif tuple(out.shape) != shape or out.dtype != t.dtype:
-        raise ValueError(f"all_gather: out must have shape {shape} and dtype {t.dtype}, "
-                         f"got {tuple(out.shape)} {out.dtype}")
+        raise ValueError(
+            f"all_gather: out must have shape {shape} and dtype {t.dtype}, "
+            f"got {tuple(out.shape)} {out.dtype}"
+        )
     elif not out.is_contiguous():
         raise ValueError("all_gather: out is not contiguous")
-    if g.size > 1 and dist.get_backend(g.pg) == "gloo" and \
-            _nbytes(out) >= P2P_ALL_GATHER_MIN_BYTES:
+    if g.size > 1 and dist.get_backend(g.pg) == "gloo" and _nbytes(out) >= P2P_ALL_GATHER_MIN_BYTES:
         return _all_gather_p2p(g, src, out, async_op, t)
     target = torch.empty_like(out) if g.permuted else out
     if g.size > 1 and src.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
@@ -203,8 +252,9 @@ def all_gather(t: torch.Tensor, group: GroupLike = None, async_op: bool = False,
 P2P_ALL_GATHER_MIN_BYTES = 4 << 20  # below this, gloo's own all_gather is as fast
 
 
-def _all_gather_p2p(g: Group, src: torch.Tensor, out: torch.Tensor, async_op: bool,
-                    t: torch.Tensor) -> torch.Tensor | Handle:
+def _all_gather_p2p(
+    g: Group, src: torch.Tensor, out: torch.Tensor, async_op: bool, t: torch.Tensor
+) -> torch.Tensor | Handle:
     """all_gather on gloo from isend/irecv straight into ``out``'s chunks: gloo's ring
     all_gather slows down on large messages, a direct exchange does not."""
     me = g.rank
@@ -240,9 +290,14 @@ def chunk_sizes(n: int, parts: int) -> list[int]:
     return [q + 1 if i < r else q for i in range(parts)]
 
 
-def reduce_scatter(t: torch.Tensor, op: str = "sum", group: GroupLike = None,
-                   async_op: bool = False, out: torch.Tensor | None = None,
-                   inplace_ok: bool = False) -> torch.Tensor | Handle:
+def reduce_scatter(
+    t: torch.Tensor,
+    op: str = "sum",
+    group: GroupLike = None,
+    async_op: bool = False,
+    out: torch.Tensor | None = None,
+    inplace_ok: bool = False,
+) -> torch.Tensor | Handle:
     """Reduce ``t`` across the group and return this rank's chunk of dim 0 (chunks as
     ``torch.tensor_split``: sizes need not divide).
 
@@ -264,9 +319,11 @@ def reduce_scatter(t: torch.Tensor, op: str = "sum", group: GroupLike = None,
     if out is None:
         out = torch.empty((mine, *rest), dtype=t.dtype, device=t.device)
     elif tuple(out.shape) != (mine, *rest) or out.dtype != t.dtype:
-        raise ValueError(f"reduce_scatter: out must have shape {(mine, *rest)} and dtype "
-                         f"{t.dtype}, got {tuple(out.shape)} {out.dtype}")
-    chunks = [src[offsets[i]: offsets[i] + sizes[i]] for i in range(g.size)]
+        raise ValueError(
+            f"reduce_scatter: out must have shape {(mine, *rest)} and dtype "
+            f"{t.dtype}, got {tuple(out.shape)} {out.dtype}"
+        )
+    chunks = [src[offsets[i] : offsets[i] + sizes[i]] for i in range(g.size)]
     if g.size > 1 and dist.get_backend(g.pg) == "gloo":
         return _reduce_scatter_p2p(g, op, chunks, out, async_op, src)
     even = len(set(sizes)) == 1 and not g.permuted
@@ -277,7 +334,7 @@ def reduce_scatter(t: torch.Tensor, op: str = "sum", group: GroupLike = None,
         staged = src.new_zeros((g.size * width, *rest))
         for i in range(g.size):
             p = g.torch_position(i)
-            staged[p * width: p * width + sizes[i]].copy_(chunks[i])
+            staged[p * width : p * width + sizes[i]].copy_(chunks[i])
         recv = src.new_empty((width, *rest))
 
     def issue() -> list[Any]:
@@ -291,20 +348,30 @@ def reduce_scatter(t: torch.Tensor, op: str = "sum", group: GroupLike = None,
             out.copy_(recv[:mine])
         return _finish_avg(out, op, g.size)()
 
-    return _launch("reduce_scatter", g, [t], _nbytes(t), issue, finish, async_op,
-                   f"op={op}, ")
+    return _launch("reduce_scatter", g, [t], _nbytes(t), issue, finish, async_op, f"op={op}, ")
 
 
-def _reduce_scatter_p2p(g: Group, op: str, chunks: list[torch.Tensor], out: torch.Tensor,
-                        async_op: bool, src: torch.Tensor) -> torch.Tensor | Handle:
+def _reduce_scatter_p2p(
+    g: Group,
+    op: str,
+    chunks: list[torch.Tensor],
+    out: torch.Tensor,
+    async_op: bool,
+    src: torch.Tensor,
+) -> torch.Tensor | Handle:
     """reduce_scatter on gloo from isend/irecv: chunk j goes to group rank j."""
     me = g.rank
     # Two ranks: the peer's chunk can land straight in ``out`` (one add, no extra buffer)
     # unless ``out`` is this rank's own chunk of the input.
-    direct = g.size == 2 and out.data_ptr() != chunks[me].data_ptr() and \
-        out.is_contiguous() and op in ("sum", "avg")
-    received = {j: (out if direct else torch.empty_like(chunks[me]))
-                for j in range(g.size) if j != me}
+    direct = (
+        g.size == 2
+        and out.data_ptr() != chunks[me].data_ptr()
+        and out.is_contiguous()
+        and op in ("sum", "avg")
+    )
+    received = {
+        j: (out if direct else torch.empty_like(chunks[me])) for j in range(g.size) if j != me
+    }
 
     def issue() -> list[Any]:
         works = []
@@ -321,8 +388,9 @@ def _reduce_scatter_p2p(g: Group, op: str, chunks: list[torch.Tensor], out: torc
             out.add_(chunks[me])
             return _finish_avg(out, op, g.size)()
         parts = [chunks[me] if j == me else received[j] for j in range(g.size)]
-        combine = {"sum": torch.add, "avg": torch.add, "max": torch.maximum,
-                   "min": torch.minimum}[op]
+        combine = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}[
+            op
+        ]
         # accumulating into ``out`` is safe unless it aliases a part read after the first op
         late_alias = me >= 2 and out.data_ptr() == chunks[me].data_ptr()
         acc = torch.empty_like(out) if late_alias else out
@@ -333,31 +401,34 @@ def _reduce_scatter_p2p(g: Group, op: str, chunks: list[torch.Tensor], out: torc
             out.copy_(acc)
         return _finish_avg(out, op, g.size)()
 
-    return _launch("reduce_scatter", g, [src], _nbytes(src), issue, finish, async_op,
-                   f"op={op}, ")
+    return _launch("reduce_scatter", g, [src], _nbytes(src), issue, finish, async_op, f"op={op}, ")
 
 
-def send(t: torch.Tensor, dst: int, group: GroupLike = None,
-         async_op: bool = False) -> Handle | None:
+def send(
+    t: torch.Tensor, dst: int, group: GroupLike = None, async_op: bool = False
+) -> Handle | None:
     """Send ``t`` to global rank ``dst``. Communicates: t's bytes."""
     g = resolve(group)
     _check_tensor(t, "t", "send")
     if dst not in g.ranks or dst == g.ranks[g.rank]:
         raise ValueError(f"send: dst {dst} must be another rank of {g}")
-    res = _launch("send", g, [t], _nbytes(t),
-                  lambda: [dist.isend(t, dst, group=g.pg)], lambda: None, async_op)
+    res = _launch(
+        "send", g, [t], _nbytes(t), lambda: [dist.isend(t, dst, group=g.pg)], lambda: None, async_op
+    )
     return res if async_op else None
 
 
-def recv(t: torch.Tensor, src: int, group: GroupLike = None,
-         async_op: bool = False) -> torch.Tensor | Handle:
+def recv(
+    t: torch.Tensor, src: int, group: GroupLike = None, async_op: bool = False
+) -> torch.Tensor | Handle:
     """Receive into ``t`` from global rank ``src``. Communicates: t's bytes."""
     g = resolve(group)
     _check_tensor(t, "t", "recv")
     if src not in g.ranks or src == g.ranks[g.rank]:
         raise ValueError(f"recv: src {src} must be another rank of {g}")
-    return _launch("recv", g, [t], _nbytes(t),
-                   lambda: [dist.irecv(t, src, group=g.pg)], lambda: t, async_op)
+    return _launch(
+        "recv", g, [t], _nbytes(t), lambda: [dist.irecv(t, src, group=g.pg)], lambda: t, async_op
+    )
 
 
 def barrier(group: GroupLike = None) -> None:
@@ -368,8 +439,9 @@ def barrier(group: GroupLike = None) -> None:
 
     def issue() -> list[Any]:
         if dist.get_backend(g.pg) == "gloo":
-            dist.monitored_barrier(g.pg, timeout=datetime.timedelta(seconds=g.timeout_s),
-                                   wait_all_ranks=True)
+            dist.monitored_barrier(
+                g.pg, timeout=datetime.timedelta(seconds=g.timeout_s), wait_all_ranks=True
+            )
             return []
         return [dist.barrier(group=g.pg, async_op=True)]
 
@@ -384,8 +456,11 @@ def _object_tensor(obj: Any) -> torch.Tensor:
 def broadcast_object(obj: Any, src: int = 0, group: GroupLike = None) -> Any:
     """Pickle ``obj`` on ``src`` and return it on every rank (two broadcasts: length, bytes)."""
     g = resolve(group)
-    dev = torch.device("cuda", torch.cuda.current_device()) \
-        if g.pg is not None and dist.get_backend(g.pg) == "nccl" else torch.device("cpu")
+    dev = (
+        torch.device("cuda", torch.cuda.current_device())
+        if g.pg is not None and dist.get_backend(g.pg) == "nccl"
+        else torch.device("cpu")
+    )
     is_src = g.ranks[g.rank] == src
     payload = _object_tensor(obj).to(dev) if is_src else None
     length = torch.tensor([payload.numel() if payload is not None else 0], device=dev)
@@ -399,8 +474,11 @@ def broadcast_object(obj: Any, src: int = 0, group: GroupLike = None) -> Any:
 def all_gather_object(obj: Any, group: GroupLike = None) -> list[Any]:
     """Every rank's picklable ``obj``, in group-rank order (two all_gathers: lengths, bytes)."""
     g = resolve(group)
-    dev = torch.device("cuda", torch.cuda.current_device()) \
-        if g.pg is not None and dist.get_backend(g.pg) == "nccl" else torch.device("cpu")
+    dev = (
+        torch.device("cuda", torch.cuda.current_device())
+        if g.pg is not None and dist.get_backend(g.pg) == "nccl"
+        else torch.device("cpu")
+    )
     payload = _object_tensor(obj).to(dev)
     lengths = all_gather(torch.tensor([payload.numel()], device=dev), group=g).tolist()
     padded = torch.zeros(max(lengths), dtype=torch.uint8, device=dev)

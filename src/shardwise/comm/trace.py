@@ -48,8 +48,10 @@ class TraceEntry:
 
     def line(self) -> str:
         state = f"done in {self.end - self.start:.4f}s" if self.end else "NOT COMPLETED"
-        return f"#{self.seq:<6} {self.op:<16} group={self.group:<10} shapes={self.shapes} " \
-               f"dtype={self.dtype} {state}"
+        return (
+            f"#{self.seq:<6} {self.op:<16} group={self.group:<10} shapes={self.shapes} "
+            f"dtype={self.dtype} {state}"
+        )
 
 
 _trace: collections.deque[TraceEntry] = collections.deque(maxlen=TRACE_LEN)
@@ -118,8 +120,13 @@ def fail(entry: TraceEntry, group_timeout_s: float, exc: BaseException) -> Colle
     )
 
 
-def check_same_call(pg: dist.ProcessGroup, group_name: str, group_ranks: tuple[int, ...],
-                    desc: str, device: torch.device) -> None:
+def check_same_call(
+    pg: dist.ProcessGroup,
+    group_name: str,
+    group_ranks: tuple[int, ...],
+    desc: str,
+    device: torch.device,
+) -> None:
     """Debug mode: every rank of the group exchanges a fingerprint of the call it is about to
     make; any difference raises DesyncError on every rank instead of a hang or garbage."""
     seq = _seq[group_name] + 1

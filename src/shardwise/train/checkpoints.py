@@ -95,21 +95,26 @@ def load_model(cfg: GPTConfig, final_model: Path, checkpoints: Path) -> tuple[GP
     Returns the model (eval mode, fp32), the step of its weights and where they came from.
     """
     found: list[tuple[int, str, dict[str, torch.Tensor]]] = []
-    for loaded, where in ((_from_model_file(final_model), str(final_model)),
-                          (_from_checkpoint(checkpoints), str(checkpoints))):
+    for loaded, where in (
+        (_from_model_file(final_model), str(final_model)),
+        (_from_checkpoint(checkpoints), str(checkpoints)),
+    ):
         if loaded is not None:
             found.append((loaded[1], where, loaded[0]))
     if not found:
-        raise ValueError(f"no saved weights: neither {final_model} nor a checkpoint under "
-                         f"{checkpoints} exists (did the run get to save?)")
+        raise ValueError(
+            f"no saved weights: neither {final_model} nor a checkpoint under "
+            f"{checkpoints} exists (did the run get to save?)"
+        )
     step, where, tensors = max(found, key=lambda item: item[0])
     model = GPT(cfg)
     own = model.state_dict()
     state: dict[str, torch.Tensor] = {}
     for name, ref in own.items():
         if name not in tensors:
-            raise ValueError(f"{where} has no weights for {name!r}: it was saved from a "
-                             "different model")
+            raise ValueError(
+                f"{where} has no weights for {name!r}: it was saved from a different model"
+            )
         state[name] = tensors[name].float().reshape(ref.shape)
     model.load_state_dict(state)
     return model.eval(), step, where

@@ -39,8 +39,10 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     no_decay: list[torch.nn.Parameter] = []
     for name, p in model.named_parameters():
         (decay if p.dim() >= 2 and "emb" not in name else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
 class Trainer:
@@ -56,20 +58,29 @@ class Trainer:
         self.run_cfg, self.dir, self.opts = run, run_dir, run.train
         self.rank, self.world = shardwise.rank(), shardwise.world_size()
         if self.world != run.world_size:
-            raise ValueError(f"the run is configured for {run.world_size} ranks but "
-                             f"{self.world} started: launch it with matching --nproc-per-node")
+            raise ValueError(
+                f"the run is configured for {run.world_size} ranks but "
+                f"{self.world} started: launch it with matching --nproc-per-node"
+            )
         self.started = time.perf_counter()
         cfg = run.model
         self.corpus = load_corpus(self.opts.data, max_bytes=self.opts.max_bytes)
         torch.manual_seed(run.engine.seed)
         model = GPT(cfg)
-        optimizer = torch.optim.AdamW(param_groups(model, self.opts.weight_decay),
-                                      lr=self.opts.lr, betas=(0.9, 0.95))
+        optimizer = torch.optim.AdamW(
+            param_groups(model, self.opts.weight_decay), lr=self.opts.lr, betas=(0.9, 0.95)
+        )
         engine_cfg = run.engine.replace(resume="auto") if resume else run.engine
         self.engine: Engine = shardwise.initialize(model, optimizer, engine_cfg)
         self.sampler = DistributedBatchSampler(
-            self.corpus.train, cfg.seq_len, run.micro_batch, self.rank, self.world,
-            seed=run.engine.seed, grad_accum=run.engine.gradient_accumulation_steps)
+            self.corpus.train,
+            cfg.seq_len,
+            run.micro_batch,
+            self.rank,
+            self.world,
+            seed=run.engine.seed,
+            grad_accum=run.engine.gradient_accumulation_steps,
+        )
         self.step = 0
         self.resumed = resume
         if resume:
@@ -83,8 +94,13 @@ class Trainer:
     # ---- one step ----
 
     def _set_lr(self) -> float:
-        lr = lr_at(self.step, peak=self.opts.lr, total=self.opts.steps,
-                   warmup=self.opts.warmup, min_ratio=self.opts.min_lr_ratio)
+        lr = lr_at(
+            self.step,
+            peak=self.opts.lr,
+            total=self.opts.steps,
+            warmup=self.opts.warmup,
+            min_ratio=self.opts.min_lr_ratio,
+        )
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
         return lr
@@ -106,18 +122,30 @@ class Trainer:
         # exposed time first: comm_stats(reset=True) clears it too
         exposed = comm.exposed_comm_seconds()
         ops = comm.comm_stats(reset=True)
-        return {"loss": sum(losses) / len(losses), "lr": lr, "step_time_s": step_time,
-                "exposed_comm_s": exposed, "comm": ops, "memory": memory,
-                "grad_norm": self.engine.grad_norm,
-                "stop": int(stop.signal) if stop.signal is not None else 0}
+        return {
+            "loss": sum(losses) / len(losses),
+            "lr": lr,
+            "step_time_s": step_time,
+            "exposed_comm_s": exposed,
+            "comm": ops,
+            "memory": memory,
+            "grad_norm": self.engine.grad_norm,
+            "stop": int(stop.signal) if stop.signal is not None else 0,
+        }
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Validation loss over ``eval_batches`` micro-batches per rank (the same ones at every
         evaluation), averaged over ranks. Communicates: one all_reduce of one float."""
         cfg = self.run_cfg.model
-        val = DistributedBatchSampler(self.corpus.val, cfg.seq_len, self.run_cfg.micro_batch,
-                                      self.rank, self.world, seed=self.run_cfg.engine.seed)
+        val = DistributedBatchSampler(
+            self.corpus.val,
+            cfg.seq_len,
+            self.run_cfg.micro_batch,
+            self.rank,
+            self.world,
+            seed=self.run_cfg.engine.seed,
+        )
         self.engine.eval()
         total = 0.0
         for _ in range(self.opts.eval_batches):
@@ -132,10 +160,14 @@ class Trainer:
         step_time = max(p["step_time_s"] for p in parts)
         tokens = self.run_cfg.tokens_per_step
         record = {
-            "step": self.step, "loss": sum(p["loss"] for p in parts) / len(parts),
-            "lr": parts[0]["lr"], "grad_norm": parts[0]["grad_norm"], "tokens": tokens,
+            "step": self.step,
+            "loss": sum(p["loss"] for p in parts) / len(parts),
+            "lr": parts[0]["lr"],
+            "grad_norm": parts[0]["grad_norm"],
+            "tokens": tokens,
             "tokens_per_s": tokens / step_time if step_time > 0 else 0.0,
-            "step_time_s": step_time, "comm": parts[0]["comm"],
+            "step_time_s": step_time,
+            "comm": parts[0]["comm"],
             "exposed_comm_s": [p["exposed_comm_s"] for p in parts],
             "memory": [p["memory"] for p in parts],
             "elapsed_s": time.perf_counter() - self.started,
@@ -154,8 +186,9 @@ class Trainer:
 
     # ---- the run ----
 
-    def _loop(self, stop: StopRequest, writer: MetricsWriter | None, progress: Progress | None
-              ) -> None:
+    def _loop(
+        self, stop: StopRequest, writer: MetricsWriter | None, progress: Progress | None
+    ) -> None:
         every, ckpt_every = self.opts.eval_every, self.run_cfg.engine.checkpoint_every
         while self.step < self.opts.steps:
             local = self._train_step(stop)
@@ -185,15 +218,17 @@ class Trainer:
         """
         lead = self.rank == 0
         unigram = self.corpus.unigram_entropy()
-        writer = MetricsWriter(self.dir.metrics, self.step if self.resumed else None) \
-            if lead else None
+        writer = (
+            MetricsWriter(self.dir.metrics, self.step if self.resumed else None) if lead else None
+        )
         progress = Progress(self.opts.steps, self.step, self.opts.log_every) if lead else None
         if progress is not None:
             progress.message(
                 f"training {self.run_cfg.model.param_count() / 1e6:.2f}M params on "
                 f"{self.world} ranks, ZeRO-{self.run_cfg.engine.zero_stage}, "
                 f"{self.run_cfg.engine.precision}, {self.run_cfg.tokens_per_step} tokens/step; "
-                f"unigram baseline {unigram:.3f} nats")
+                f"unigram baseline {unigram:.3f} nats"
+            )
         try:
             self._loop(stop, writer, progress)
             # a signal from here on changes nothing: the ranks save and exit anyway
@@ -215,14 +250,24 @@ class Trainer:
         status = "finished"
         if stop.signal is not None and self.step < self.opts.steps:
             status = f"stopped by {stop.signal.name}"
-        summary = build_summary(self.run_cfg, records, status=status, unigram_baseline=unigram,
-                                final_val_loss=vals[-1] if vals else None,
-                                wall_time_s=time.perf_counter() - self.started)
+        summary = build_summary(
+            self.run_cfg,
+            records,
+            status=status,
+            unigram_baseline=unigram,
+            final_val_loss=vals[-1] if vals else None,
+            wall_time_s=time.perf_counter() - self.started,
+        )
         write_summary(self.dir.summary, summary)
         val = summary["final_val_loss"]
         rate = summary["tokens_per_s"]
-        log.info("%s at step %d: val loss %s (unigram baseline %.3f), %s",
-                 status, summary["steps"], "n/a" if val is None else f"{val:.3f}", unigram,
-                 format_rate(rate) if rate else "n/a")
+        log.info(
+            "%s at step %d: val loss %s (unigram baseline %.3f), %s",
+            status,
+            summary["steps"],
+            "n/a" if val is None else f"{val:.3f}",
+            unigram,
+            format_rate(rate) if rate else "n/a",
+        )
         if val is not None and not math.isfinite(val):
             log.warning("the validation loss is not finite: lower --lr")

@@ -56,8 +56,9 @@ class TrainOptions:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the option to change."""
         if self.model not in MODEL_SIZES:
-            raise ValueError(f"--model {self.model!r} is unknown: choose one of "
-                             f"{', '.join(MODEL_SIZES)}")
+            raise ValueError(
+                f"--model {self.model!r} is unknown: choose one of {', '.join(MODEL_SIZES)}"
+            )
         for name in ("steps", "eval_batches", "log_every"):
             _at_least(name, getattr(self, name), 1)
         _at_least("eval_every", self.eval_every, 0)
@@ -74,8 +75,10 @@ class TrainOptions:
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
         if self.data is not None and not Path(self.data).exists():
-            raise ValueError(f"--data path {self.data!r} does not exist: pass a text file or "
-                             "directory, or leave --data out to use the Python standard library")
+            raise ValueError(
+                f"--data path {self.data!r} does not exist: pass a text file or "
+                "directory, or leave --data out to use the Python standard library"
+            )
 
     @property
     def warmup(self) -> int:
@@ -160,9 +163,12 @@ class RunConfig:
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
         """Inverse of ``to_dict`` (``model`` and ``derived`` are recomputed, not read)."""
         try:
-            return cls(train=TrainOptions(**data["train"]),
-                       engine=Config.from_dict(data["shardwise"]),
-                       world_size=int(data["world_size"]), launch=dict(data.get("launch", {})))
+            return cls(
+                train=TrainOptions(**data["train"]),
+                engine=Config.from_dict(data["shardwise"]),
+                world_size=int(data["world_size"]),
+                launch=dict(data.get("launch", {})),
+            )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"run config is missing or has a bad entry: {exc}") from exc
 

@@ -22,8 +22,13 @@ from shardwise.train.summary import CATEGORIES, peak_memory
 
 Records = list[dict[str, Any]]
 
-COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868",
-          "buffers": "#8172B3", "comm": "#C44E52"}
+COLORS = {
+    "params": "#4C72B0",
+    "grads": "#DD8452",
+    "optimizer": "#55A868",
+    "buffers": "#8172B3",
+    "comm": "#C44E52",
+}
 """One color per memory category, the same in every figure."""
 
 DPI = 110
@@ -72,18 +77,36 @@ def plot_loss(records: Records, baseline: float | None, path: Path) -> Path:
     steps = [r["step"] for r in records]
     loss = [r["loss"] if r.get("loss") is not None else math.nan for r in records]
     ax.plot(steps, loss, color="#4C72B0", alpha=0.25, linewidth=0.8, label="train (per step)")
-    ax.plot(steps, smooth(loss, _window(len(loss))), color="#4C72B0", linewidth=1.8,
-            label="train (smoothed)")
+    ax.plot(
+        steps,
+        smooth(loss, _window(len(loss))),
+        color="#4C72B0",
+        linewidth=1.8,
+        label="train (smoothed)",
+    )
     val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
     if val:
-        ax.plot(*zip(*val), color="#DD8452", marker="o", markersize=4, linewidth=1.6,
-                label="validation")
+        ax.plot(
+            *zip(*val), color="#DD8452", marker="o", markersize=4, linewidth=1.6, label="validation"
+        )
         last_step, last = val[-1]
-        ax.annotate(f"{last:.3f}", (last_step, last), textcoords="offset points",
-                    xytext=(-4, 8), ha="right", color="#DD8452", fontsize=9)
+        ax.annotate(
+            f"{last:.3f}",
+            (last_step, last),
+            textcoords="offset points",
+            xytext=(-4, 8),
+            ha="right",
+            color="#DD8452",
+            fontsize=9,
+        )
     if baseline is not None:
-        ax.axhline(baseline, color="#555555", linestyle="--", linewidth=1.2,
-                   label=f"unigram baseline ({baseline:.2f})")
+        ax.axhline(
+            baseline,
+            color="#555555",
+            linestyle="--",
+            linewidth=1.2,
+            label=f"unigram baseline ({baseline:.2f})",
+        )
     ax.set(xlabel="optimizer step", ylabel="cross-entropy (nats/token)", title="Loss")
     ax.legend(loc="upper right", frameon=False)
     return _save(fig, path)
@@ -95,10 +118,16 @@ def plot_throughput(records: Records, path: Path) -> Path:
     steps = [r["step"] for r in records]
     rate = [r.get("tokens_per_s") or 0.0 for r in records]
     div, unit = (1e3, "k tokens/s") if max(rate, default=0) >= 1e3 else (1.0, "tokens/s")
-    ax.plot(steps, [v / div for v in rate], color="#55A868", alpha=0.3, linewidth=0.8,
-            label="per step")
-    ax.plot(steps, [v / div for v in smooth(rate, _window(len(rate)))], color="#55A868",
-            linewidth=1.8, label="smoothed")
+    ax.plot(
+        steps, [v / div for v in rate], color="#55A868", alpha=0.3, linewidth=0.8, label="per step"
+    )
+    ax.plot(
+        steps,
+        [v / div for v in smooth(rate, _window(len(rate)))],
+        color="#55A868",
+        linewidth=1.8,
+        label="smoothed",
+    )
     if rate:
         # the first steps include warm-up: scale the axis to the bulk of the run
         typical = sorted(rate)[int(0.98 * (len(rate) - 1))]
@@ -122,18 +151,35 @@ def plot_memory(records: Records, estimate: dict[str, int] | None, path: Path) -
             ax.bar(ranks, values, bottom=bottom, color=COLORS[cat], width=0.6, label=cat)
             bottom = [b + v for b, v in zip(bottom, values)]
     for rank, total in zip(ranks, bottom):
-        ax.annotate(f"{total:.1f} {unit}", (rank, total), textcoords="offset points",
-                    xytext=(0, 4), ha="center", fontsize=9)
+        ax.annotate(
+            f"{total:.1f} {unit}",
+            (rank, total),
+            textcoords="offset points",
+            xytext=(0, 4),
+            ha="center",
+            fontsize=9,
+        )
     if estimate is not None:
-        ax.axhline(estimate["model_states"] / div, color="black", linestyle="--",
-                   linewidth=1.2, label="estimated\nparams + grads\n+ optimizer")
+        ax.axhline(
+            estimate["model_states"] / div,
+            color="black",
+            linestyle="--",
+            linewidth=1.2,
+            label="estimated\nparams + grads\n+ optimizer",
+        )
     ax.set_xticks(ranks, [f"rank {r}" for r in ranks])
     ax.set(ylabel=unit, title="Peak memory per rank (model states, measured)")
     ax.set_ylim(0, 1.15 * max([*bottom, estimate["model_states"] / div if estimate else 0]))
     handles, labels = ax.get_legend_handles_labels()
     order = sorted(range(len(labels)), key=lambda i: labels[i].startswith("estimated"))
-    ax.legend([handles[i] for i in order][::-1], [labels[i] for i in order][::-1],
-              loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9)
+    ax.legend(
+        [handles[i] for i in order][::-1],
+        [labels[i] for i in order][::-1],
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        frameon=False,
+        fontsize=9,
+    )
     ax.grid(False)
     ax.grid(True, axis="y", alpha=0.3)
     return _save(fig, path)
@@ -147,18 +193,29 @@ def plot_comm(records: Records, path: Path) -> Path:
     exposed = [(r.get("exposed_comm_s") or [0.0])[0] or 0.0 for r in records]
     exposed = [min(e, t) for e, t in zip(exposed, step_time)]
     compute = [t - e for t, e in zip(step_time, exposed)]
-    comm_s = [sum(op.get("seconds", 0.0) for op in (r.get("comm") or {}).values())
-              for r in records]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.2), dpi=DPI, sharex=True,
-                                      height_ratios=[3, 2])
+    comm_s = [sum(op.get("seconds", 0.0) for op in (r.get("comm") or {}).values()) for r in records]
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(8, 6.2), dpi=DPI, sharex=True, height_ratios=[3, 2]
+    )
     w = _window(len(steps))
-    top.stackplot(steps, [v * 1e3 for v in smooth(compute, w)],
-                  [v * 1e3 for v in smooth(exposed, w)], colors=["#4C72B0", "#C44E52"],
-                  alpha=0.8, labels=["computation", "exposed communication"])
+    top.stackplot(
+        steps,
+        [v * 1e3 for v in smooth(compute, w)],
+        [v * 1e3 for v in smooth(exposed, w)],
+        colors=["#4C72B0", "#C44E52"],
+        alpha=0.8,
+        labels=["computation", "exposed communication"],
+    )
     # collectives in flight at the same time each count their own duration, so this sum can
     # exceed the step time (ZeRO-3 prefetch)
-    top.plot(steps, [v * 1e3 for v in smooth(comm_s, w)], color="black", linewidth=1.2,
-             linestyle="--", label="sum of collective durations (incl. overlapped)")
+    top.plot(
+        steps,
+        [v * 1e3 for v in smooth(comm_s, w)],
+        color="black",
+        linewidth=1.2,
+        linestyle="--",
+        label="sum of collective durations (incl. overlapped)",
+    )
     top.set(ylabel="ms per step", title="Step time on rank 0 (smoothed)")
     if step_time:
         peak = max(max(smooth(step_time, w)[1:] or step_time), max(smooth(comm_s, w)[1:] or [0]))
@@ -169,11 +226,19 @@ def plot_comm(records: Records, path: Path) -> Path:
     div, unit = byte_unit(max((sum(col) for col in zip(*per_op)), default=0))
     palette = ["#4C72B0", "#DD8452", "#55A868", "#8172B3", "#C44E52", "#937860"]
     if ops:
-        bottom.stackplot(steps, [[b / div for b in row] for row in per_op],
-                         colors=palette[: len(ops)], labels=ops, alpha=0.85)
+        bottom.stackplot(
+            steps,
+            [[b / div for b in row] for row in per_op],
+            colors=palette[: len(ops)],
+            labels=ops,
+            alpha=0.85,
+        )
         bottom.legend(loc="upper right", frameon=False, fontsize=9, ncol=len(ops))
-    bottom.set(xlabel="optimizer step", ylabel=f"{unit} per step",
-               title="Bytes communicated by rank 0, per collective")
+    bottom.set(
+        xlabel="optimizer step",
+        ylabel=f"{unit} per step",
+        title="Bytes communicated by rank 0, per collective",
+    )
     for ax in (top, bottom):
         ax.grid(True, alpha=0.3)
         ax.spines[["top", "right"]].set_visible(False)

@@ -50,8 +50,10 @@ def format_rate(tokens_per_s: float) -> str:
 
 def format_memory(per_rank: list[dict[str, int]]) -> str:
     """Memory held per rank (params, grads, optimizer, buffers, comm), in MiB."""
-    totals = [sum(m.get(k, 0) for k in ("params", "grads", "optimizer", "buffers", "comm"))
-              / MiB for m in per_rank]
+    totals = [
+        sum(m.get(k, 0) for k in ("params", "grads", "optimizer", "buffers", "comm")) / MiB
+        for m in per_rank
+    ]
     if not totals:
         return "-"
     if len(totals) <= 4:
@@ -79,8 +81,13 @@ class Progress:
         interactive: draw a live bar (default: when stdout is a terminal).
     """
 
-    def __init__(self, total_steps: int, start_step: int = 0, log_every: int = 10,
-                 interactive: bool | None = None) -> None:
+    def __init__(
+        self,
+        total_steps: int,
+        start_step: int = 0,
+        log_every: int = 10,
+        interactive: bool | None = None,
+    ) -> None:
         self.total = total_steps
         self.start = start_step
         self.log_every = log_every
@@ -95,16 +102,23 @@ class Progress:
 
     def _start_bar(self) -> None:
         self._bar = StatsProgress(
-            TextColumn("[bold]train"), BarColumn(bar_width=30), MofNCompleteColumn(),
-            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-            refresh_per_second=4)
+            TextColumn("[bold]train"),
+            BarColumn(bar_width=30),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            refresh_per_second=4,
+        )
         self._task = self._bar.add_task("train", total=self.total, completed=self.start)
         self._bar.start()
         # log lines go above the bar: point the logging handlers at rich's stderr proxy
         self._streams = []
         for handler in logging.getLogger().handlers:
             if isinstance(handler, logging.StreamHandler) and handler.stream in (
-                    sys.__stderr__, sys.__stdout__):
+                sys.__stderr__,
+                sys.__stdout__,
+            ):
                 self._streams.append((handler, handler.setStream(sys.stderr)))
 
     def _eta_s(self, step: int) -> float:
@@ -115,8 +129,11 @@ class Progress:
         parts = [f"loss {record['loss']:.3f}"]
         if self._last_val is not None:
             parts.append(f"val {self._last_val:.3f}")
-        parts += [format_rate(record["tokens_per_s"]), f"{record['step_time_s']:.2f} s/step",
-                  f"mem {format_memory(record['memory'])}"]
+        parts += [
+            format_rate(record["tokens_per_s"]),
+            f"{record['step_time_s']:.2f} s/step",
+            f"mem {format_memory(record['memory'])}",
+        ]
         return " | ".join(parts)
 
     def update(self, record: dict[str, Any]) -> None:
@@ -129,8 +146,14 @@ class Progress:
             self._bar.stats = "  " + self._stats(record)
             self._bar.update(self._task, completed=step)
         elif step % self.log_every == 0 or step == self.total or "val_loss" in record:
-            log.info("step %d/%d | lr %.2e | %s | eta %s", step, self.total, record["lr"],
-                     self._stats(record), format_duration(self._eta_s(step)))
+            log.info(
+                "step %d/%d | lr %.2e | %s | eta %s",
+                step,
+                self.total,
+                record["lr"],
+                self._stats(record),
+                format_duration(self._eta_s(step)),
+            )
 
     def message(self, text: str) -> None:
         """A line above the bar (or a log line)."""

@@ -60,8 +60,9 @@ class RunDir:
         if not self.root.is_dir():
             raise ValueError(f"run directory {self.root} does not exist")
         if not self.exists():
-            raise ValueError(f"{self.root} holds no config.json: pass the directory of a "
-                             "shardwise train run")
+            raise ValueError(
+                f"{self.root} holds no config.json: pass the directory of a shardwise train run"
+            )
         return self
 
 

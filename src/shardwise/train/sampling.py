@@ -25,8 +25,15 @@ class Sample:
     """The checkpoint root or model file they were read from."""
 
 
-def sample(run_root: Path, prompt: str, *, tokens: int = 200, temperature: float = 0.8,
-           top_k: int | None = 40, seed: int = 0) -> Sample:
+def sample(
+    run_root: Path,
+    prompt: str,
+    *,
+    tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = 40,
+    seed: int = 0,
+) -> Sample:
     """Continue ``prompt`` by ``tokens`` bytes with the run's newest weights, on the CPU.
 
     ``temperature`` 0 picks the likeliest byte; ``top_k`` keeps only the k likeliest. Bytes
@@ -46,4 +53,4 @@ def sample(run_root: Path, prompt: str, *, tokens: int = 200, temperature: float
     idx = Corpus.encode(prompt).unsqueeze(0)  # [1, prompt bytes]
     gen = torch.Generator().manual_seed(seed)
     out = model.generate(idx, tokens, temperature=temperature, top_k=top_k, generator=gen)
-    return Sample(prompt, Corpus.decode(out[0, idx.shape[1]:]), step, source)
+    return Sample(prompt, Corpus.decode(out[0, idx.shape[1] :]), step, source)

@@ -16,8 +16,10 @@ def lr_at(step: int, *, peak: float, total: int, warmup: int, min_ratio: float) 
     follows half a cosine down to ``peak * min_ratio`` at the last step.
     """
     if total < 1 or warmup < 0 or step < 0:
-        raise ValueError(f"lr_at needs step >= 0, total >= 1, warmup >= 0; got step={step}, "
-                         f"total={total}, warmup={warmup}")
+        raise ValueError(
+            f"lr_at needs step >= 0, total >= 1, warmup >= 0; got step={step}, "
+            f"total={total}, warmup={warmup}"
+        )
     if step < warmup:
         return peak * (step + 1) / warmup
     floor = peak * min_ratio

@@ -36,26 +36,46 @@ def peak_memory(records: list[dict[str, Any]]) -> list[dict[str, int]]:
 def memory_estimate(run: RunConfig) -> dict[str, int]:
     """Estimated bytes per rank: model states for the run's ZeRO stage, and activations."""
     cfg = run.model
-    est = estimate_model_states(cfg.param_count(), run.world_size, run.engine.precision,
-                                offload=run.engine.offload_optimizer,
-                                reduce_dtype=run.engine.reduce_dtype)[run.engine.zero_stage]
-    act = estimate_activations(cfg, run.micro_batch, cfg.seq_len, run.engine.precision,
-                               checkpointing=bool(run.engine.activation_checkpointing))
-    return {"params": est.params_bytes, "grads": est.grads_bytes,
-            "optimizer": est.optimizer_bytes, "model_states": est.total_bytes,
-            "activations": act}
+    est = estimate_model_states(
+        cfg.param_count(),
+        run.world_size,
+        run.engine.precision,
+        offload=run.engine.offload_optimizer,
+        reduce_dtype=run.engine.reduce_dtype,
+    )[run.engine.zero_stage]
+    act = estimate_activations(
+        cfg,
+        run.micro_batch,
+        cfg.seq_len,
+        run.engine.precision,
+        checkpointing=bool(run.engine.activation_checkpointing),
+    )
+    return {
+        "params": est.params_bytes,
+        "grads": est.grads_bytes,
+        "optimizer": est.optimizer_bytes,
+        "model_states": est.total_bytes,
+        "activations": act,
+    }
 
 
-def build_summary(run: RunConfig, records: list[dict[str, Any]], *, status: str,
-                  unigram_baseline: float | None, final_val_loss: float | None,
-                  wall_time_s: float) -> dict[str, Any]:
+def build_summary(
+    run: RunConfig,
+    records: list[dict[str, Any]],
+    *,
+    status: str,
+    unigram_baseline: float | None,
+    final_val_loss: float | None,
+    wall_time_s: float,
+) -> dict[str, Any]:
     """The summary of a run from its step records (of every launch, for a resumed run)."""
     step_time = sum(r.get("step_time_s", 0.0) for r in records)
     tokens = sum(r.get("tokens", 0) for r in records)
     peaks = peak_memory(records)
-    measured = [{**p, "model_states": sum(p.get(k, 0) for k in ("params", "grads",
-                                                                 "optimizer"))}
-                for p in peaks]
+    measured = [
+        {**p, "model_states": sum(p.get(k, 0) for k in ("params", "grads", "optimizer"))}
+        for p in peaks
+    ]
     return {
         "status": status,
         "steps": records[-1]["step"] if records else 0,

@@ -22,8 +22,11 @@ from shardwise.train.stop import StopRequest
 
 def _setup_logging(rank: int) -> None:
     """Rank 0 logs progress; the others only warnings. Every line names its rank."""
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"[rank {rank}] %(message)s", force=True)
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[rank {rank}] %(message)s",
+        force=True,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -68,8 +68,14 @@ def _resize_storage(t: torch.Tensor, numel: int) -> None:
 class FlatParam:
     """A unit's (or a bucket's) parameters, flattened, padded and sharded over ``group``."""
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], group: Group,
-                 stage: ZeroStage, dtypes: Dtypes, trainable: bool = True) -> None:
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        group: Group,
+        stage: ZeroStage,
+        dtypes: Dtypes,
+        trainable: bool = True,
+    ) -> None:
         if not named_params:
             raise ValueError("a FlatParam needs at least one parameter")
         self.names = [n for n, _ in named_params]
@@ -93,15 +99,15 @@ class FlatParam:
         with torch.no_grad():
             for slot, p in zip(self.slots, self.params):
                 src = p.detach().reshape(-1)
-                self.full[slot.offset: slot.end].copy_(src)
+                self.full[slot.offset : slot.end].copy_(src)
                 if self._init_master is not None:
-                    self._init_master[slot.offset: slot.end].copy_(src)
-                p.data = self.full[slot.offset: slot.end].view(slot.shape)
+                    self._init_master[slot.offset : slot.end].copy_(src)
+                p.data = self.full[slot.offset : slot.end].view(slot.shape)
         self.state = ParamState.FULL
         self._gather_handle: comm.Handle | None = None
         self._gather_src: torch.Tensor | None = None
-        self.shard = self.full[self.shard_start: self.shard_stop]
-        self.master: torch.Tensor = self.full[self.opt_start: self.opt_stop]
+        self.shard = self.full[self.shard_start : self.shard_stop]
+        self.master: torch.Tensor = self.full[self.opt_start : self.opt_stop]
         self.opt_pieces: list[ShardPiece] = []
         self.opt_params: list[nn.Parameter] = []
         self.grad_full: torch.Tensor | None = None
@@ -125,13 +131,13 @@ class FlatParam:
         """Split off the shard, the fp32 master and the optimizer's views; release what this
         stage does not keep. ``host``: where the master and optimizer live (offload)."""
         if self.stage.shard_params:
-            self.shard = self.full[self.shard_start: self.shard_stop].clone()
+            self.shard = self.full[self.shard_start : self.shard_stop].clone()
             self._transition(ParamState.SHARDED)
             _resize_storage(self.full, 0)
         base = self.shard if self.stage.shard_optimizer else self.full
         host = host or self.device
         if self._init_master is not None:
-            init = self._init_master[self.opt_start: self.opt_stop]
+            init = self._init_master[self.opt_start : self.opt_stop]
             self.master = init.to(host, copy=True)
             self._init_master = None
         elif host != self.device and self.trainable:
@@ -144,13 +150,13 @@ class FlatParam:
             return
         self.opt_pieces = pieces_in(self.slots, self.opt_start, self.opt_stop)
         self.opt_params = [
-            nn.Parameter(self.master[pc.shard_start: pc.shard_start + pc.numel])
+            nn.Parameter(self.master[pc.shard_start : pc.shard_start + pc.numel])
             for pc in self.opt_pieces
         ]
         if not self.stage.shard_grads:
             self.grad_full = torch.zeros(self.padded, dtype=self.dtypes.param, device=self.device)
             for slot, p in zip(self.slots, self.params):
-                p.grad = self.grad_full[slot.offset: slot.end].view(slot.shape)
+                p.grad = self.grad_full[slot.offset : slot.end].view(slot.shape)
 
     # ---- parameter lifecycle (stage 3) ----
 
@@ -167,8 +173,9 @@ class FlatParam:
             return
         _resize_storage(self.full, self.padded)
         self._gather_src = self.shard
-        self._gather_handle = comm.all_gather(self.shard, group=self.group, out=self.full,
-                                              async_op=True)
+        self._gather_handle = comm.all_gather(
+            self.shard, group=self.group, out=self.full, async_op=True
+        )
         self._transition(ParamState.GATHERING)
         if not async_op:
             self.wait_gather()
@@ -213,11 +220,12 @@ class FlatParam:
         if self.stage.shard_grads:
             src = self.grad_shard
             if src is None:  # no backward reached this buffer: zero gradients
-                src = torch.zeros(self.opt_stop - self.opt_start, dtype=self.dtypes.reduce,
-                                  device=self.device)
+                src = torch.zeros(
+                    self.opt_stop - self.opt_start, dtype=self.dtypes.reduce, device=self.device
+                )
         else:
             assert self.grad_full is not None
-            src = self.grad_full[self.opt_start: self.opt_stop]
+            src = self.grad_full[self.opt_start : self.opt_stop]
         return src.to(device=self.master.device, dtype=self.master.dtype)
 
     def full_master(self) -> torch.Tensor:
@@ -235,15 +243,18 @@ class FlatParam:
         flat = value.detach().reshape(-1)
         with torch.no_grad():
             if self.full.untyped_storage().size() > 0:
-                self.full[slot.offset: slot.end].copy_(flat)
-            for start, stop, target in ((self.shard_start, self.shard_stop, self.shard),
-                                        (self.opt_start, self.opt_stop, self.master)):
+                self.full[slot.offset : slot.end].copy_(flat)
+            for start, stop, target in (
+                (self.shard_start, self.shard_stop, self.shard),
+                (self.opt_start, self.opt_stop, self.master),
+            ):
                 lo, hi = max(slot.offset, start), min(slot.end, stop)
                 if lo < hi:
-                    target[lo - start: hi - start].copy_(flat[lo - slot.offset: hi - slot.offset])
+                    target[lo - start : hi - start].copy_(flat[lo - slot.offset : hi - slot.offset])
 
     def memory(self) -> dict[str, int]:
         """Bytes held now, counted from the tensors that exist (storage sizes)."""
+
         def nbytes(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.untyped_storage().nbytes()
 
@@ -253,6 +264,8 @@ class FlatParam:
         grads = nbytes(self.grad_full) + nbytes(self.grad_shard) + nbytes(self.grad_host)
         master = 0
         if self.master.untyped_storage().data_ptr() not in (
-                self.full.untyped_storage().data_ptr(), self.shard.untyped_storage().data_ptr()):
+            self.full.untyped_storage().data_ptr(),
+            self.shard.untyped_storage().data_ptr(),
+        ):
             master = nbytes(self.master)
         return {"params": params, "grads": grads, "master": master}

@@ -32,8 +32,9 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 class ParamSchedule:
     """Forward/backward hooks that move stage-3 units between sharded and full."""
 
-    def __init__(self, modules: list[nn.Module], needs: list[list[FlatParam]],
-                 prefetch: int = 1) -> None:
+    def __init__(
+        self, modules: list[nn.Module], needs: list[list[FlatParam]], prefetch: int = 1
+    ) -> None:
         self.needs = {id(m): n for m, n in zip(modules, needs)}
         self.prefetch = prefetch
         self._users: dict[int, int] = {}
@@ -61,7 +62,7 @@ class ParamSchedule:
             return
         order = self.order[::-1] if backward else self.order
         i = order.index(module)
-        for nxt in order[i + 1: i + 1 + self.prefetch]:
+        for nxt in order[i + 1 : i + 1 + self.prefetch]:
             for f in self.needs[id(nxt)]:
                 f.gather(async_op=True)
 
@@ -94,6 +95,7 @@ class ParamSchedule:
                 self._seen_bwd.add(id(module))
                 self._gather(module)
                 self._prefetch_after(module, backward=True)
+
         return hook
 
     def finish_forward_recording(self) -> None:

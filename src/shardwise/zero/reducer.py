@@ -40,8 +40,9 @@ class _Pending:
 class GradReducer:
     """Owns gradient hooks and reductions for ``flats`` (given in launch order)."""
 
-    def __init__(self, flats: list[FlatParam],
-                 on_reduced: Callable[[FlatParam], None] | None = None) -> None:
+    def __init__(
+        self, flats: list[FlatParam], on_reduced: Callable[[FlatParam], None] | None = None
+    ) -> None:
         self.flats = [f for f in flats if f.trainable]
         self.on_reduced = on_reduced
         self._slot: dict[int, tuple[int, ParamSlot]] = {}
@@ -75,9 +76,9 @@ class GradReducer:
         fresh = f.grad_full is None
         if fresh:  # stages 2-3: allocated when the buffer's first gradient of this pass lands
             f.grad_full = torch.empty(f.padded, dtype=f.dtypes.param, device=f.device)
-            f.grad_full[f.numel:].zero_()  # padding
+            f.grad_full[f.numel :].zero_()  # padding
             self._fresh[i] = True
-        view = f.grad_full[slot.offset: slot.end].view(slot.shape)
+        view = f.grad_full[slot.offset : slot.end].view(slot.shape)
         if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
             # the grad was not written into our buffer: fold it in (the first one of a fresh
             # buffer is a copy, which needs no zeroed buffer)
@@ -93,8 +94,9 @@ class GradReducer:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
-        while self._next < len(self.flats) and \
-                len(self._ready[self._next]) == len(self.flats[self._next].slots):
+        while self._next < len(self.flats) and len(self._ready[self._next]) == len(
+            self.flats[self._next].slots
+        ):
             self._launch(self._next)
             self._next += 1
 
@@ -105,22 +107,30 @@ class GradReducer:
         elif self._fresh[i]:  # parameters without a gradient this pass contribute zeros
             for slot in f.slots:
                 if slot.name not in self._ready[i]:
-                    f.grad_full[slot.offset: slot.end].zero_()
+                    f.grad_full[slot.offset : slot.end].zero_()
         # reduce at reduce_dtype (fp32 by default) so small gradients survive the sum
-        buf = f.grad_full if f.grad_full.dtype == f.dtypes.reduce else \
-            f.grad_full.to(f.dtypes.reduce)
+        buf = (
+            f.grad_full if f.grad_full.dtype == f.dtypes.reduce else f.grad_full.to(f.dtypes.reduce)
+        )
         scratch = None
         if not f.stage.shard_optimizer:
             handle = comm.all_reduce(buf, op="avg", group=f.group, async_op=True)
         elif not f.stage.shard_grads:
-            handle = comm.reduce_scatter(buf, op="avg", group=f.group,
-                                         out=buf[f.shard_start: f.shard_stop], async_op=True,
-                                         inplace_ok=True)
+            handle = comm.reduce_scatter(
+                buf,
+                op="avg",
+                group=f.group,
+                out=buf[f.shard_start : f.shard_stop],
+                async_op=True,
+                inplace_ok=True,
+            )
         else:
-            scratch = torch.empty(f.shard_stop - f.shard_start, dtype=f.dtypes.reduce,
-                                  device=f.device)
-            handle = comm.reduce_scatter(buf, op="avg", group=f.group, out=scratch,
-                                         async_op=True, inplace_ok=True)
+            scratch = torch.empty(
+                f.shard_stop - f.shard_start, dtype=f.dtypes.reduce, device=f.device
+            )
+            handle = comm.reduce_scatter(
+                buf, op="avg", group=f.group, out=scratch, async_op=True, inplace_ok=True
+            )
         self._pending.append(_Pending(f, handle, scratch, buf))
         while f.stage.shard_grads and len(self._pending) > MAX_IN_FLIGHT:
             self._complete(self._pending.pop(0))

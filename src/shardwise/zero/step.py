@@ -38,8 +38,12 @@ def global_sumsq(flats: list[FlatParam], grads: list[torch.Tensor]) -> float:
     return float(local)
 
 
-def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer,
-                 scaler: DynamicLossScaler, clip: float | None) -> StepResult:
+def sharded_step(
+    flats: list[FlatParam],
+    optimizer: torch.optim.Optimizer,
+    scaler: DynamicLossScaler,
+    clip: float | None,
+) -> StepResult:
     """Unscale, clip, step and publish. An overflow (inf/nan anywhere, on any rank) skips the
     step on every rank and lowers the loss scale."""
     trainable = [f for f in flats if f.trainable]
@@ -56,7 +60,7 @@ def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer,
         if coef != 1.0:
             g.mul_(coef)
         for pc, op in zip(f.opt_pieces, f.opt_params):
-            op.grad = g[pc.shard_start: pc.shard_start + pc.numel]
+            op.grad = g[pc.shard_start : pc.shard_start + pc.numel]
     optimizer.step()
     handles = [f.publish_master() for f in trainable]
     for h in handles:
@@ -77,4 +81,4 @@ def zero_grads(flats: list[FlatParam]) -> None:
             continue
         f.grad_full.zero_()
         for slot, p in zip(f.slots, f.params):  # re-attach, in case someone dropped them
-            p.grad = f.grad_full[slot.offset: slot.end].view(slot.shape)
+            p.grad = f.grad_full[slot.offset : slot.end].view(slot.shape)

@@ -73,8 +73,10 @@ def _policy_unit_modules(root: nn.Module, classes: tuple[str, ...]) -> list[tupl
     present = {type(m).__name__ for m in root.modules()}
     missing = [c for c in classes if c not in present]
     if missing:
-        raise ValueError(f"wrap policy names module classes {missing} that the model does not "
-                         f"contain; it contains: {sorted(present)}")
+        raise ValueError(
+            f"wrap policy names module classes {missing} that the model does not "
+            f"contain; it contains: {sorted(present)}"
+        )
     found: list[tuple[str, nn.Module]] = []
 
     def walk(m: nn.Module, prefix: str) -> None:
@@ -91,8 +93,9 @@ def _policy_unit_modules(root: nn.Module, classes: tuple[str, ...]) -> list[tupl
 
 def units(model: nn.Module, wrap_classes: tuple[str, ...] | None) -> list[UnitSpec]:
     """Stage-3 units in registration order; the root unit (if any) last."""
-    modules = _policy_unit_modules(model, wrap_classes) if wrap_classes else \
-        _default_unit_modules(model)
+    modules = (
+        _policy_unit_modules(model, wrap_classes) if wrap_classes else _default_unit_modules(model)
+    )
     owner: dict[int, str] = {}
     specs: list[UnitSpec] = []
     for uname, module in modules:

@@ -1,9 +1,9 @@
 """``zero_wrap``: ZeRO stage 1 or 2 for an ordinary model, without the engine.
 
-    opt = shardwise.zero_wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), stage=2)
-    loss = model(x).sum(); loss.backward()   # local gradients, as usual
-    opt.step()                               # reduce_scatter, sharded update, all_gather
-    opt.zero_grad()
+opt = shardwise.zero_wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), stage=2)
+loss = model(x).sum(); loss.backward()   # local gradients, as usual
+opt.step()                               # reduce_scatter, sharded update, all_gather
+opt.zero_grad()
 """
 
 from __future__ import annotations
@@ -32,15 +32,24 @@ class ZeroOptimizer:
     ``step()``. Stage 2 keeps only the reduced gradient shard after the reduction.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, stage: int,
-                 group: Group | None = None, bucket_bytes: int = 16 * MiB,
-                 clip: float | None = None, allow_untested_optimizer: bool = False) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        stage: int,
+        group: Group | None = None,
+        bucket_bytes: int = 16 * MiB,
+        clip: float | None = None,
+        allow_untested_optimizer: bool = False,
+    ) -> None:
         if stage not in (1, 2):
-            raise ValueError(f"zero_wrap supports stages 1 and 2 (stage 3 needs the model: use "
-                             f"shardwise.initialize), got {stage!r}")
+            raise ValueError(
+                f"zero_wrap supports stages 1 and 2 (stage 3 needs the model: use "
+                f"shardwise.initialize), got {stage!r}"
+            )
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"zero_wrap needs a torch.optim.Optimizer, got "
-                            f"{type(optimizer).__name__}")
+            raise TypeError(
+                f"zero_wrap needs a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
         zero_opt.check_shardable(type(optimizer), allow_untested_optimizer)
         self.group = comm.resolve(group)
         self.clip = clip
@@ -58,8 +67,11 @@ class ZeroOptimizer:
             f.broadcast_from(self.group.ranks[0])
             f.finish_init()
             self.flats.append(f)
-        shard_of = {id(f.params[f.slots.index(pc.slot)]): op
-                    for f in self.flats for pc, op in zip(f.opt_pieces, f.opt_params)}
+        shard_of = {
+            id(f.params[f.slots.index(pc.slot)]): op
+            for f in self.flats
+            for pc, op in zip(f.opt_pieces, f.opt_params)
+        }
         self.optimizer = zero_opt.rebuild(optimizer, params, shard_of, allow_untested_optimizer)
         self.reducer = GradReducer(self.flats)
         self.scaler = DynamicLossScaler(enabled=False)
@@ -100,8 +112,9 @@ def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[tuple[s
     return out
 
 
-def zero_wrap(optimizer: torch.optim.Optimizer, stage: int,
-              group: Group | None = None, **kwargs: Any) -> ZeroOptimizer:
+def zero_wrap(
+    optimizer: torch.optim.Optimizer, stage: int, group: Group | None = None, **kwargs: Any
+) -> ZeroOptimizer:
     """An optimizer whose ``step()`` performs the ZeRO stage 1 or 2 sharded update over
     ``group`` (default: the world) for a model whose gradients were computed locally."""
     return ZeroOptimizer(optimizer, stage, group=group, **kwargs)
