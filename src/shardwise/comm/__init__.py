@@ -1,12 +1,12 @@
 """shardwise's communication layer: the only code that calls torch.distributed collectives."""
 
+from shardwise.comm.algorithms import ALGORITHMS, all_reduce
 from shardwise.comm.groups import Group, new_group, resolve, split, world
 from shardwise.comm.ops import (
     Handle,
     all_gather,
     all_gather_list,
     all_gather_object,
-    all_reduce,
     all_reduce_coalesced,
     barrier,
     broadcast,
@@ -25,6 +25,7 @@ from shardwise.comm.trace import (
 )
 
 __all__ = [
+    "ALGORITHMS",
     "STATS",
     "CollectiveError",
     "CollectiveTimeoutError",

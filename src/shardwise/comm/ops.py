@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from shardwise.comm import trace
+from shardwise import dist as sw_dist
+from shardwise.comm import emulate, trace
 from shardwise.comm.groups import Group, resolve
 from shardwise.comm.stats import STATS
 
@@ -110,11 +111,13 @@ def _launch(
         raise ValueError(f"{op}: this rank is not a member of {group}")
     shapes = ",".join(str(tuple(t.shape)) for t in tensors)
     dtype = str(tensors[0].dtype).replace("torch.", "") if tensors else "-"
-    if trace.debug_enabled() and group.size > 1:
+    # point-to-point messages are not collectives: no cross-rank check, their own sequence
+    p2p = op in ("send", "recv")
+    if trace.debug_enabled() and group.size > 1 and not p2p:
         desc = f"{op}({extra}shapes={shapes}, dtype={dtype})"
         dev = tensors[0].device if tensors else torch.device("cpu")
         trace.check_same_call(group.pg, group.name, group.ranks, desc, dev)
-    entry = trace.begin(op, group.name, shapes, dtype)
+    entry = trace.begin(op, f"{group.name}.p2p" if p2p else group.name, shapes, dtype)
     STATS.record_launch(op, nbytes)
     t0 = time.perf_counter()
     try:
@@ -412,9 +415,12 @@ def send(
     _check_tensor(t, "t", "send")
     if dst not in g.ranks or dst == g.ranks[g.rank]:
         raise ValueError(f"send: dst {dst} must be another rank of {g}")
-    res = _launch(
-        "send", g, [t], _nbytes(t), lambda: [dist.isend(t, dst, group=g.pg)], lambda: None, async_op
-    )
+
+    def issue() -> list[Any]:
+        emulate.delay_send(g.ranks[g.rank], dst, _nbytes(t), sw_dist.world_size())
+        return [dist.isend(t, dst, group=g.pg)]
+
+    res = _launch("send", g, [t], _nbytes(t), issue, lambda: None, async_op)
     return res if async_op else None
 
 

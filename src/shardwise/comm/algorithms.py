@@ -1,0 +1,154 @@
+"""all_reduce by a chosen algorithm, run from the counted point-to-point ops.
+
+``all_reduce(t, op, group, algorithm=...)`` is the public all_reduce: ``"native"`` (the default)
+is the backend's own; ``"ring"``, ``"halving_doubling"``, ``"tree"`` and ``"hierarchical"`` run
+the schedules of ``shardwise.comm.schedules`` over ``send``/``recv``; ``"auto"`` picks the one
+with the least predicted time from the measured links (``links=``, e.g.
+``shardwise.topology.discover(group).links(group)``) and the message size.
+
+Every rank ends with the same bits (each element is reduced on one rank, then copied), equal to
+native for integer sums and within floating-point rounding otherwise. ``comm_stats()`` counts
+one ``all_reduce`` of the tensor's bytes per call, plus the algorithm's messages as
+``send``/``recv`` (their bytes are the wire traffic the algorithm costs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from shardwise.comm import emulate, ops, schedules
+from shardwise.comm.groups import Group, resolve
+from shardwise.comm.ops import GroupLike, Handle
+from shardwise.comm.schedules import GroupLinks, Transfer
+
+ALGORITHMS = ("native", *schedules.ALGORITHMS, "auto")
+
+_COMBINE = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}
+
+
+def all_reduce(
+    t: torch.Tensor,
+    op: str = "sum",
+    group: GroupLike = None,
+    async_op: bool = False,
+    algorithm: str = "native",
+    nodes: Sequence[int] | None = None,
+    links: GroupLinks | None = None,
+) -> torch.Tensor | Handle:
+    """Reduce ``t`` in place across the group (``op``: sum, avg, max, min).
+
+    Args:
+        algorithm: ``"native"``, ``"ring"``, ``"halving_doubling"``, ``"tree"``,
+            ``"hierarchical"`` or ``"auto"``.
+        nodes: for ``"hierarchical"``, the node of each group rank (any ints); default from
+            ``links``, else from the environment (``SHARDWISE_EMULATE_NODES`` or torchrun's
+            node-major layout).
+        links: the group's measured links, needed by ``"auto"``.
+        async_op: the algorithms other than native run to completion before returning; the
+            handle they return is already complete.
+
+    Communicates: native: one all_reduce; otherwise the algorithm's point-to-point messages
+    (ring and halving-doubling 2(p-1)/p of the tensor per rank, tree up to 2 ceil(log2 p)
+    tensors, hierarchical 2(G-1)/G inside the node and 2(N-1)/(N G) across nodes).
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"all_reduce: unknown algorithm {algorithm!r}; allowed: {ALGORITHMS}")
+    if algorithm == "native":
+        return ops.all_reduce(t, op=op, group=group, async_op=async_op)
+    g = resolve(group)
+    ops._reduce_op(op, "all_reduce")
+    ops._check_tensor(t, "t", "all_reduce")
+    if op == "avg" and not t.is_floating_point():
+        raise TypeError(f"all_reduce: op 'avg' needs a floating dtype, got {t.dtype}")
+    layout = _layout(g, nodes, links, algorithm)
+    if algorithm == "auto":
+        if links is None:
+            raise ValueError(
+                "all_reduce: algorithm='auto' needs links= (the group's measured links, e.g. "
+                "shardwise.topology.discover(group).links(group))"
+            )
+        algorithm = schedules.choose(ops._nbytes(t), t.element_size(), links)
+    flat = t.view(-1)
+
+    def issue() -> list[object]:
+        run_schedule(flat, g, schedules.schedule(algorithm, flat.numel(), g.size, layout), op)
+        return []
+
+    return ops._launch(
+        "all_reduce",
+        g,
+        [t],
+        ops._nbytes(t),
+        issue,
+        ops._finish_avg(t, op, g.size),
+        async_op,
+        f"op={op}, algorithm={algorithm}, ",
+    )
+
+
+def _layout(
+    g: Group, nodes: Sequence[int] | None, links: GroupLinks | None, algorithm: str
+) -> tuple[int, ...] | None:
+    """Each group rank's node (hierarchical only; None for the flat algorithms)."""
+    if nodes is not None:
+        layout = tuple(int(x) for x in nodes)
+        if len(layout) != g.size:
+            raise ValueError(
+                f"all_reduce: nodes= has {len(layout)} entries; {g} has {g.size} ranks"
+            )
+        return layout
+    if links is not None:
+        if len(links.nodes) != g.size:
+            raise ValueError(f"all_reduce: links= describes {len(links.nodes)} ranks, not {g.size}")
+        return links.nodes
+    if algorithm != "hierarchical":
+        return None
+    from shardwise import dist as sw_dist
+
+    world = emulate.env_nodes(sw_dist.world_size())
+    if world is None:
+        raise ValueError(
+            "all_reduce: algorithm='hierarchical' needs the nodes: pass nodes= or links=, or set "
+            f"{emulate.NODES_ENV}"
+        )
+    return tuple(world[r] for r in g.ranks)
+
+
+def run_schedule(flat: torch.Tensor, g: Group, rounds: Sequence[schedules.Round], op: str) -> None:
+    """Play this rank's part of ``rounds`` on ``flat`` (a contiguous 1-D tensor)."""
+    me = g.rank
+    combine = _COMBINE[op]
+    scratch: torch.Tensor | None = None
+    for rnd in rounds:
+        out = [x for x in rnd if x.src == me]
+        inc = [x for x in rnd if x.dst == me]
+        assert len(out) <= 1 and len(inc) <= 1, "a round sends and receives at most once per rank"
+        if not out and not inc:
+            continue
+        handles = []
+        target = None
+        if inc:
+            x = inc[0]
+            if x.reduce:
+                if scratch is None or scratch.numel() < x.hi - x.lo:
+                    scratch = torch.empty_like(flat)
+                target = scratch[: x.hi - x.lo]
+            else:
+                target = flat[x.lo : x.hi]
+                assert not out or not _overlap(x, out[0]), "a copy may not land on what is sent"
+            handles.append(ops.recv(target, g.ranks[x.src], group=g, async_op=True))
+        if out:
+            x = out[0]
+            handles.append(ops.send(flat[x.lo : x.hi], g.ranks[x.dst], group=g, async_op=True))
+        for h in handles:
+            h.wait()
+        if inc and inc[0].reduce:
+            x = inc[0]
+            local = flat[x.lo : x.hi]
+            combine(local, target, out=local)
+
+
+def _overlap(a: Transfer, b: Transfer) -> bool:
+    return a.lo < b.hi and b.lo < a.hi
