@@ -87,6 +87,30 @@ MODEL_SIZES: dict[str, GPTConfig] = {
 """Named model presets, selectable with ``GPTConfig.named``."""
 
 
+def tp_plan() -> dict[str, str]:
+    """Tensor-parallel plan for ``GPT`` (see ``shardwise.tp.parallelize``).
+
+    Attention is split by heads and the MLP by its hidden width (Megatron-LM); the token
+    embedding and the tied output head by the vocabulary, so the loss runs on vocab-sharded
+    logits (``shardwise.tp.vocab_parallel_cross_entropy``) and full logits never exist. The
+    norms, the position embedding and dropout are ``sequence`` modules: under sequence
+    parallelism they run on 1/tp of the sequence. ``n_head`` must divide by tp.
+    """
+    return {
+        "tok_emb": "vocab_embedding",
+        "pos_emb": "sequence",
+        "drop": "sequence",
+        "blocks.*.ln_{attn,mlp}": "sequence",
+        "blocks.*.drop": "sequence",
+        "blocks.*.attn.{q,k,v}_proj": "colwise",
+        "blocks.*.attn.out_proj": "rowwise",
+        "blocks.*.mlp.fc_in": "colwise",
+        "blocks.*.mlp.fc_out": "rowwise",
+        "ln_f": "sequence",
+        "head": "colwise",
+    }
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where each position sees only itself and earlier positions.
 
@@ -97,24 +121,25 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
+        self.head_dim = cfg.head_dim
         self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.k_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.v_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.out_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = t.shape
-        # [batch, seq, width] -> [batch, n_head, seq, width // n_head]
-        return t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2)
+        batch, seq, _ = t.shape
+        # [batch, seq, heads * head_dim] -> [batch, heads, seq, head_dim]; the head count comes
+        # from the width, so a tensor-parallel projection holding some of the heads works too
+        return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Attend over ``x`` [batch, seq, d_model]; returns [batch, seq, d_model]."""
-        batch, seq, width = x.shape
         q = self._heads(self.q_proj(x))
         k = self._heads(self.k_proj(x))
         v = self._heads(self.v_proj(x))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [batch, n_head, seq, hd]
-        y = y.transpose(1, 2).reshape(batch, seq, width)  # [batch, seq, d_model]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [batch, heads, seq, hd]
+        y = y.transpose(1, 2).flatten(2)  # [batch, seq, heads * head_dim]
         return self.out_proj(y)
 
 
@@ -216,6 +241,10 @@ class GPT(nn.Module):
         logits = self.head(self.ln_f(x))  # [batch, seq, vocab_size]
         if targets is None:
             return logits
+        # a head whose logits are split over the vocabulary (tensor parallel) brings its loss
+        parallel_loss = getattr(self.head, "cross_entropy", None)
+        if parallel_loss is not None:
+            return parallel_loss(logits, targets)
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
     @torch.no_grad()

@@ -1,0 +1,210 @@
+"""``parallelize``: apply a tensor-parallel plan to a model from outside.
+
+Linear and embedding modules named by the plan are replaced by their parallel counterparts
+holding the same ``nn.Parameter`` objects, whose data becomes this rank's shard; the model's
+own forward code runs unchanged. ``sequence`` modules keep running as they are, on this rank's
+slice of the sequence when sequence parallelism is on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from shardwise import comm
+from shardwise.mesh import Mesh
+from shardwise.tp import mappings, rng, state
+from shardwise.tp.layers import (
+    ColumnParallelLinear,
+    Region,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from shardwise.tp.placement import TPPlacement
+from shardwise.tp.plan import resolve
+
+
+class TensorParallel:
+    """What ``parallelize`` did to a model: each parameter's placement over tp, and the steps a
+    training loop owes tensor parallelism (``finish_grads`` before the optimizer step)."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, sequence_parallel: bool) -> None:
+        self.model = model
+        self.mesh = mesh
+        self.group = mesh.group("tp")
+        self.tp_size, self.tp_rank = mesh.tp_size, mesh.rank("tp")
+        self.sequence_parallel = sequence_parallel
+        self.region = Region(self.group, sequence_parallel)
+        self._by_id: dict[int, TPPlacement] = {}
+
+    # ---- placements ---------------------------------------------------------------------
+    def placement_of(self, param: torch.Tensor) -> TPPlacement:
+        """The placement of one of the model's parameters (replicated if never sharded)."""
+        got = self._by_id.get(id(param))
+        if got is None:
+            raise KeyError("not a parameter of the parallelized model")
+        return got
+
+    @property
+    def placements(self) -> dict[str, TPPlacement]:
+        """``{parameter name: placement}`` for every distinct parameter of the model."""
+        return {name: self._by_id[id(p)] for name, p in self.model.named_parameters()}
+
+    def _place(self, param: nn.Parameter, placement: TPPlacement, owner: str) -> None:
+        seen = self._by_id.get(id(param))
+        if seen is not None:
+            if (seen.dim, seen.full_shape) != (placement.dim, placement.full_shape):
+                raise ValueError(
+                    f"parameter {seen.name!r} is tied into {owner!r} with another layout: "
+                    f"dim {seen.dim} of {seen.full_shape} there, dim {placement.dim} of "
+                    f"{placement.full_shape} here; tied layers must split the same way"
+                )
+            return
+        self._by_id[id(param)] = placement
+        if placement.sharded:
+            with torch.no_grad():
+                param.data = placement.shard(param.data)
+
+    def _shard(self, param: nn.Parameter, name: str, full: tuple[int, ...], dim: int) -> None:
+        self._place(param, TPPlacement(name, full, dim, self.tp_size, self.tp_rank), name)
+
+    def _replicate(self, param: nn.Parameter, name: str, partial: bool) -> None:
+        p = TPPlacement(name, tuple(param.shape), None, self.tp_size, self.tp_rank, partial)
+        self._place(param, p, name)
+
+    # ---- training-loop duties -----------------------------------------------------------
+    def partial_params(self) -> list[nn.Parameter]:
+        """Replicated parameters whose gradients are partial sums over tp (under SP)."""
+        return [p for p in self.model.parameters() if self._by_id[id(p)].partial]
+
+    def finish_grads(self) -> None:
+        """All-reduce (sum) over tp the gradients of the partial parameters, so every tp rank
+        holds the same full gradient. Call once per optimizer step, after the last backward.
+
+        Communicates: one all_reduce over tp per dtype (the partial gradients, coalesced).
+        """
+        grads = [p.grad for p in self.partial_params() if p.grad is not None]
+        if grads and self.tp_size > 1:
+            comm.all_reduce_coalesced(grads, op="sum", group=self.group)
+
+    # ---- full (unsharded) state ---------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded ``state_dict`` under the model's own names, padding removed: what the
+        model held before ``parallelize``. Every tp rank gets it.
+
+        Communicates: one all_gather over tp per sharded tensor.
+        """
+        return state.full_state_dict(self.model, self._by_id, self.group)
+
+    def load_full_state_dict(self, full: Mapping[str, torch.Tensor]) -> None:
+        """Load an unsharded state dict (as ``full_state_dict`` returns): each rank copies in
+        its shard. Raises ``ValueError`` naming a missing key or a wrong shape."""
+        state.load_full_state_dict(self.model, self._by_id, full)
+
+    @contextmanager
+    def sharded_rng(self) -> Iterator[None]:
+        """Run the body (e.g. dropout on local heads) on this tp rank's own random stream."""
+        with rng.fork(self.tp_rank):
+            yield
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), leaf, new)
+
+
+def _divisible(tp: TensorParallel, name: str, what: str, n: int, pad_ok: bool) -> None:
+    if n % tp.tp_size and not pad_ok:
+        raise ValueError(
+            f"module {name!r}: {what}={n} is not divisible by tp={tp.tp_size}; only a "
+            "vocabulary (the size of a 'vocab_embedding' in the plan) may be padded"
+        )
+
+
+def _apply_linear(tp: TensorParallel, name: str, m: nn.Linear, style: str, vocabs: set) -> None:
+    if style == "rowwise":
+        _divisible(tp, name, "in_features", m.in_features, False)
+        tp._shard(m.weight, f"{name}.weight", (m.out_features, m.in_features), 1)
+        _replace(tp.model, name, RowParallelLinear(m, tp.region))
+        if m.bias is not None:
+            tp._replicate(m.bias, f"{name}.bias", partial=tp.sequence_parallel)
+        return
+    _divisible(tp, name, "out_features", m.out_features, m.out_features in vocabs)
+    tp._shard(m.weight, f"{name}.weight", (m.out_features, m.in_features), 0)
+    if m.bias is not None:
+        tp._shard(m.bias, f"{name}.bias", (m.out_features,), 0)
+    gather = style == "colwise_gather"
+    _replace(tp.model, name, ColumnParallelLinear(m, tp.region, m.out_features, gather))
+
+
+def _apply_embedding(tp: TensorParallel, name: str, m: nn.Embedding) -> None:
+    tp._shard(m.weight, f"{name}.weight", (m.num_embeddings, m.embedding_dim), 0)
+    _replace(tp.model, name, VocabParallelEmbedding(m, tp.region, m.num_embeddings))
+
+
+def _apply_sequence(tp: TensorParallel, name: str, m: nn.Module) -> None:
+    for pname, p in m.named_parameters(prefix=name):
+        if id(p) not in tp._by_id:
+            tp._replicate(p, pname, partial=tp.sequence_parallel)
+    if not tp.sequence_parallel or tp.tp_size == 1:
+        return
+    if isinstance(m, nn.Embedding):  # e.g. positions: keep this rank's slice of the sequence
+        group = tp.group
+        m.register_forward_hook(
+            lambda mod, args, out: mappings.slice_sequence(out, args[0].dim() - 1, group)
+        )
+        return
+    hooks = rng.ForkOnForward(tp.tp_rank)
+    m.register_forward_pre_hook(hooks.pre)
+    m.register_forward_hook(hooks.post, always_call=True)
+
+
+def _check_replicated(tp: TensorParallel) -> None:
+    for name, p in tp.model.named_parameters():
+        if id(p) not in tp._by_id:
+            if tp.sequence_parallel and tp.tp_size > 1:
+                raise ValueError(
+                    f"parameter {name!r} is replicated over tp but not inside a 'sequence' "
+                    "module: under sequence parallelism its module sees 1/tp of the sequence; "
+                    "add its module to the plan as 'sequence'"
+                )
+            tp._replicate(p, name, partial=False)
+
+
+def parallelize(
+    model: nn.Module, mesh: Mesh, plan: Mapping[str, str], sequence_parallel: bool = False
+) -> TensorParallel:
+    """Split ``model`` over ``mesh``'s tp axis as ``plan`` says, in place.
+
+    Args:
+        model: any module; the plan names its submodules (glob patterns, see ``plan.STYLES``).
+        mesh: the device mesh; its ``tp`` axis is used.
+        plan: ``{module-name pattern: style}``.
+        sequence_parallel: run ``sequence`` modules on 1/tp of the sequence (dim 1 of
+            ``[batch, seq, hidden]`` activations); the sequence length must divide by tp.
+
+    Returns the ``TensorParallel`` record (placements, ``finish_grads``, full state dicts).
+    Raises ``ValueError``/``TypeError`` naming the module for a pattern matching nothing, a
+    dimension that does not divide by tp (other than a vocabulary), or a module whose type does
+    not fit its style. Communicates nothing.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a shardwise Mesh, got {type(mesh).__name__}")
+    styles = resolve(model, plan)
+    modules = dict(model.named_modules())
+    tp = TensorParallel(model, mesh, bool(sequence_parallel))
+    vocabs = {modules[n].num_embeddings for n, s in styles.items() if s == "vocab_embedding"}
+    order = sorted(styles, key=lambda n: styles[n] != "vocab_embedding")  # embeddings first
+    for name in order:
+        style, module = styles[name], modules[name]
+        if style == "vocab_embedding":
+            _apply_embedding(tp, name, module)
+        elif style == "sequence":
+            _apply_sequence(tp, name, module)
+        else:
+            _apply_linear(tp, name, module, style, vocabs)
+    _check_replicated(tp)
+    return tp

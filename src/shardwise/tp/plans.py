@@ -1,0 +1,26 @@
+"""Ready-made tensor-parallel plans for model families outside shardwise.
+
+The built-in GPT's plan lives beside it: ``shardwise.models.gpt.tp_plan()``.
+"""
+
+from __future__ import annotations
+
+
+def llama() -> dict[str, str]:
+    """Plan for Hugging Face ``LlamaForCausalLM`` naming (and models that copy it).
+
+    Attention is split by heads (q, k, v column-parallel; o row-parallel), the MLP by its
+    intermediate width (gate, up column-parallel; down row-parallel), the token embedding by the
+    vocabulary; ``lm_head`` is column-parallel with its output gathered, because the model's own
+    loss needs full logits. ``num_attention_heads`` and ``num_key_value_heads`` must divide by
+    tp. Sequence parallelism does not apply: the model derives positions and the causal mask
+    from the embedding output's length (``parallelize`` refuses it, naming the norms).
+    """
+    return {
+        "model.embed_tokens": "vocab_embedding",
+        "model.layers.*.self_attn.{q,k,v}_proj": "colwise",
+        "model.layers.*.self_attn.o_proj": "rowwise",
+        "model.layers.*.mlp.{gate,up}_proj": "colwise",
+        "model.layers.*.mlp.down_proj": "rowwise",
+        "lm_head": "colwise_gather",
+    }
