@@ -116,23 +116,43 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name), leaf, new)
 
 
-def _divisible(tp: TensorParallel, name: str, what: str, n: int, pad_ok: bool) -> None:
-    if n % tp.tp_size and not pad_ok:
+def _validate(model: nn.Module, styles: dict[str, str], tp_size: int, sp: bool) -> None:
+    """Check the whole plan before anything changes the model."""
+    modules = dict(model.named_modules())
+    vocabs = {modules[n].num_embeddings for n, s in styles.items() if s == "vocab_embedding"}
+    covered: set[int] = set()  # parameters sharded, or replicated inside a 'sequence' module
+    for name, style in styles.items():
+        m = modules[name]
+        covered |= {id(p) for p in m.parameters()}
+        if style == "rowwise" and m.in_features % tp_size:
+            what = f"in_features={m.in_features}"
+        elif style in ("colwise", "colwise_gather") and m.out_features % tp_size:
+            if m.out_features in vocabs:
+                continue
+            what = f"out_features={m.out_features}"
+        else:
+            continue
         raise ValueError(
-            f"module {name!r}: {what}={n} is not divisible by tp={tp.tp_size}; only a "
-            "vocabulary (the size of a 'vocab_embedding' in the plan) may be padded"
+            f"module {name!r}: {what} is not divisible by tp={tp_size}; only a vocabulary "
+            "(the size of a 'vocab_embedding' in the plan) may be padded"
         )
+    if sp and tp_size > 1:
+        for name, p in model.named_parameters():
+            if id(p) not in covered:
+                raise ValueError(
+                    f"parameter {name!r} is replicated over tp but not inside a 'sequence' "
+                    "module: under sequence parallelism its module sees 1/tp of the sequence; "
+                    "add its module to the plan as 'sequence'"
+                )
 
 
-def _apply_linear(tp: TensorParallel, name: str, m: nn.Linear, style: str, vocabs: set) -> None:
+def _apply_linear(tp: TensorParallel, name: str, m: nn.Linear, style: str) -> None:
     if style == "rowwise":
-        _divisible(tp, name, "in_features", m.in_features, False)
         tp._shard(m.weight, f"{name}.weight", (m.out_features, m.in_features), 1)
         _replace(tp.model, name, RowParallelLinear(m, tp.region))
         if m.bias is not None:
             tp._replicate(m.bias, f"{name}.bias", partial=tp.sequence_parallel)
         return
-    _divisible(tp, name, "out_features", m.out_features, m.out_features in vocabs)
     tp._shard(m.weight, f"{name}.weight", (m.out_features, m.in_features), 0)
     if m.bias is not None:
         tp._shard(m.bias, f"{name}.bias", (m.out_features,), 0)
@@ -162,15 +182,9 @@ def _apply_sequence(tp: TensorParallel, name: str, m: nn.Module) -> None:
     m.register_forward_hook(hooks.post, always_call=True)
 
 
-def _check_replicated(tp: TensorParallel) -> None:
+def _replicate_rest(tp: TensorParallel) -> None:
     for name, p in tp.model.named_parameters():
         if id(p) not in tp._by_id:
-            if tp.sequence_parallel and tp.tp_size > 1:
-                raise ValueError(
-                    f"parameter {name!r} is replicated over tp but not inside a 'sequence' "
-                    "module: under sequence parallelism its module sees 1/tp of the sequence; "
-                    "add its module to the plan as 'sequence'"
-                )
             tp._replicate(p, name, partial=False)
 
 
@@ -194,9 +208,9 @@ def parallelize(
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a shardwise Mesh, got {type(mesh).__name__}")
     styles = resolve(model, plan)
+    _validate(model, styles, mesh.tp_size, bool(sequence_parallel))
     modules = dict(model.named_modules())
     tp = TensorParallel(model, mesh, bool(sequence_parallel))
-    vocabs = {modules[n].num_embeddings for n, s in styles.items() if s == "vocab_embedding"}
     order = sorted(styles, key=lambda n: styles[n] != "vocab_embedding")  # embeddings first
     for name in order:
         style, module = styles[name], modules[name]
@@ -205,6 +219,6 @@ def parallelize(
         elif style == "sequence":
             _apply_sequence(tp, name, module)
         else:
-            _apply_linear(tp, name, module, style, vocabs)
-    _check_replicated(tp)
+            _apply_linear(tp, name, module, style)
+    _replicate_rest(tp)
     return tp

@@ -1,0 +1,314 @@
+"""Rank-side bodies of the tensor-parallel tests: each builds its own mesh and computes its
+single-process reference in the same task (same seed, a deep copy of the model before it is
+split), then checks this rank's shards against the matching slices of the reference."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from shardwise import tp as swtp
+from shardwise.comm import comm_stats
+from shardwise.mesh import Mesh
+from shardwise.models.gpt import GPT, GPTConfig, tp_plan
+from shardwise.recompute import apply_activation_checkpointing
+
+RTOL, ATOL = 1e-5, 1e-6
+BATCH, SEQ = 2, 8
+
+
+def gpt_config(vocab: int = 37, n_layer: int = 2, dropout: float = 0.0) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=vocab, seq_len=SEQ, n_layer=n_layer, n_head=4, d_model=16, dropout=dropout
+    )
+
+
+def batches(steps: int, vocab: int, ignore: bool = True, seed: int = 1) -> list:
+    """The same global batches on every rank; some targets are ignore_index (-100)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
+        y = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
+        if ignore:
+            y[torch.rand(y.shape, generator=gen) < 0.25] = -100
+        out.append((x, y))
+    return out
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+def _check_grads(tp: swtp.TensorParallel, ref: torch.nn.Module) -> None:
+    ref_params = dict(ref.named_parameters())
+    for name, p in tp.model.named_parameters():
+        placement = tp.placements[name]
+        _close(p.grad, placement.shard(ref_params[name].grad), f"grad of {name}")
+        if placement.padded:  # the padding rows never get a gradient
+            start, stop = placement.owned_range()
+            assert not p.grad.narrow(0, stop - start, p.shape[0] - (stop - start)).any()
+
+
+def train_pair(model, ref, tp, data, loss_fn, steps_checked_grads=1):
+    """Train ``ref`` (one process) and the tp ``model`` on ``data`` with AdamW; compare.
+
+    eps=1e-6: the key bias's gradient is exactly zero in exact arithmetic (softmax ignores a
+    per-row constant), so both runs see rounding noise of ~1e-11 there, which the default
+    eps=1e-8 would blow up to lr-sized steps of random sign."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
+    losses = []
+    for step, (x, y) in enumerate(data):
+        ref_loss = loss_fn(ref, x, y)
+        ref_loss.backward()
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        tp.finish_grads()
+        _close(loss.detach(), ref_loss.detach(), f"loss at step {step}")
+        if step < steps_checked_grads:
+            _check_grads(tp, ref)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        losses.append(loss.item())
+    full, want = tp.full_state_dict(), ref.state_dict()
+    assert full.keys() == want.keys()
+    for k in want:
+        assert full[k].shape == want[k].shape, k  # the padding does not show
+        _close(full[k], want[k], f"{k} after {len(data)} steps")
+    return losses
+
+
+def _gpt_loss(model, x, y):
+    return model(x, y)
+
+
+def gpt_parity(tp_size: int, sp: bool, vocab: int, steps: int = 5) -> list[float]:
+    mesh = Mesh(dp=-1, tp=tp_size)
+    torch.manual_seed(0)
+    model = GPT(gpt_config(vocab))
+    ref = copy.deepcopy(model)
+    x0, _ = batches(1, vocab)[0]
+    ref_logits = ref(x0)
+    tp = swtp.parallelize(model, mesh, tp_plan(), sequence_parallel=sp)
+    logits = model(x0)  # [batch, seq, chunk]: this rank's vocabulary columns
+    chunk = logits.shape[-1]
+    start, stop = min(mesh.rank("tp") * chunk, vocab), min((mesh.rank("tp") + 1) * chunk, vocab)
+    _close(logits[..., : stop - start], ref_logits[..., start:stop], "local logits")
+    return train_pair(model, ref, tp, batches(steps, vocab), _gpt_loss)
+
+
+def llama_model(vocab: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+    )
+    return LlamaForCausalLM(cfg).float()
+
+
+def _llama_loss(model, x, y):
+    return model(input_ids=x, labels=y).loss
+
+
+def llama_parity(tp_size: int, vocab: int, steps: int = 5) -> list[float]:
+    mesh = Mesh(dp=-1, tp=tp_size)
+    torch.manual_seed(0)
+    model = llama_model(vocab)
+    ref = copy.deepcopy(model)
+    x0, _ = batches(1, vocab)[0]
+    ref_logits = ref(input_ids=x0).logits
+    tp = swtp.parallelize(model, mesh, swtp.plans.llama())
+    _close(model(input_ids=x0).logits, ref_logits, "logits")  # lm_head gathers its output
+    return train_pair(model, ref, tp, batches(steps, vocab), _llama_loss)
+
+
+def ce_parity(tp_size: int, vocab: int, smoothing: float, ignore: bool) -> dict:
+    mesh = Mesh(dp=-1, tp=tp_size)
+    group = mesh.group("tp")
+    gen = torch.Generator().manual_seed(3)
+    full = (3 * torch.randn(BATCH, SEQ, vocab, generator=gen)).requires_grad_()
+    _, y = batches(1, vocab, ignore=ignore)[0]
+    want = F.cross_entropy(full.view(-1, vocab), y.view(-1), label_smoothing=smoothing)
+    want.backward()
+    chunk = -(-vocab // tp_size)
+    start = min(mesh.rank("tp") * chunk, vocab)
+    stop = min(start + chunk, vocab)
+    local = full.detach().new_zeros(BATCH, SEQ, chunk)  # padding columns hold junk-free zeros
+    local[..., : stop - start] = full.detach()[..., start:stop]
+    local.requires_grad_()
+    comm_stats(reset=True)
+    got = swtp.vocab_parallel_cross_entropy(
+        local, y, group, label_smoothing=smoothing, vocab_size=vocab
+    )
+    fwd = comm_stats(reset=True)
+    got.backward()
+    bwd = comm_stats(reset=True)
+    _close(got.detach(), want.detach(), "loss")
+    _close(local.grad[..., : stop - start], full.grad[..., start:stop], "grad of local logits")
+    assert not local.grad[..., stop - start :].any(), "padding columns got a gradient"
+    return {"fwd": fwd, "bwd": bwd}
+
+
+def comm_counts(tp_size: int, sp: bool, n_layer: int) -> dict:
+    mesh = Mesh(dp=-1, tp=tp_size)
+    torch.manual_seed(0)
+    model = GPT(gpt_config(vocab=40, n_layer=n_layer))
+    tp = swtp.parallelize(model, mesh, tp_plan(), sequence_parallel=sp)
+    x, y = batches(1, 40, ignore=False)[0]
+    comm_stats(reset=True)
+    loss = model(x, y)
+    fwd = comm_stats(reset=True)
+    loss.backward()
+    bwd = comm_stats(reset=True)
+    tp.finish_grads()
+    finish = comm_stats(reset=True)
+    return {"fwd": fwd, "bwd": bwd, "finish": finish}
+
+
+def _grads_after_step(tp_size: int, sp: bool, recompute: bool, dropout: float) -> dict:
+    mesh = Mesh(dp=-1, tp=tp_size)
+    torch.manual_seed(0)
+    model = GPT(gpt_config(n_layer=2, dropout=dropout))
+    tp = swtp.parallelize(model, mesh, tp_plan(), sequence_parallel=sp)
+    if recompute:
+        apply_activation_checkpointing(model, ["Block"])
+    losses = []
+    for x, y in batches(2, 37):
+        loss = model(x, y)
+        loss.backward()
+        losses.append(loss.detach())
+    tp.finish_grads()
+    return {"losses": losses, **{n: p.grad for n, p in model.named_parameters()}}
+
+
+def recompute_bitwise(tp_size: int, sp: bool) -> None:
+    off = _grads_after_step(tp_size, sp, recompute=False, dropout=0.2)
+    on = _grads_after_step(tp_size, sp, recompute=True, dropout=0.2)
+    for k in off:
+        a, b = off[k], on[k]
+        same = all(map(torch.equal, a, b)) if isinstance(a, list) else torch.equal(a, b)
+        assert same, f"{k} differs between recompute on and off"
+
+
+def dropout_masks(tp_size: int, sp: bool) -> torch.Tensor:
+    """The mask the first block's residual dropout drew on this rank."""
+    mesh = Mesh(dp=-1, tp=tp_size)
+    torch.manual_seed(0)
+    model = GPT(gpt_config(dropout=0.5))
+    swtp.parallelize(model, mesh, tp_plan(), sequence_parallel=sp)
+    masks = []
+    model.blocks[0].drop.register_forward_hook(lambda m, a, out: masks.append(out == 0))
+    x, _ = batches(1, 37)[0]
+    model(x)
+    return masks[0]
+
+
+def replicas_after_steps(tp_size: int, steps: int) -> dict:
+    """Replicated parameters after ``steps`` AdamW steps with SP and dropout on."""
+    mesh = Mesh(dp=-1, tp=tp_size)
+    torch.manual_seed(0)
+    model = GPT(gpt_config(dropout=0.1))
+    tp = swtp.parallelize(model, mesh, tp_plan(), sequence_parallel=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for x, y in batches(steps, 37):
+        model(x, y).backward()
+        tp.finish_grads()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach() for n, p in tp.model.named_parameters() if not tp.placements[n].sharded}
+
+
+def _expect(exc: type, words: list[str], fn, *args, **kwargs) -> str:
+    try:
+        fn(*args, **kwargs)
+    except exc as e:
+        msg = str(e)
+        missing = [w for w in words if w not in msg]
+        assert not missing, f"message {msg!r} lacks {missing}"
+        return msg
+    raise AssertionError(f"{fn.__name__} did not raise {exc.__name__} ({words})")
+
+
+def bad_plans(tp_size: int) -> None:
+    """Every bad plan fails at parallelize, naming the module, and leaves the model whole."""
+    mesh = Mesh(dp=-1, tp=tp_size)
+    torch.manual_seed(0)
+    model = GPT(gpt_config(vocab=37))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = tp_plan()
+    _expect(
+        ValueError,
+        ["'blocks.*.attn.qkv'"],
+        swtp.parallelize,
+        model,
+        mesh,
+        {**plan, "blocks.*.attn.qkv": "colwise"},
+    )
+    _expect(
+        TypeError,
+        ["'blocks.0.ln_attn'", "nn.Linear"],
+        swtp.parallelize,
+        model,
+        mesh,
+        {"blocks.*.ln_attn": "rowwise"},
+    )
+    _expect(
+        TypeError,
+        ["'blocks.0.attn.q_proj'", "nn.Embedding"],
+        swtp.parallelize,
+        model,
+        mesh,
+        {"blocks.0.attn.q_proj": "vocab_embedding"},
+    )
+    _expect(
+        ValueError,
+        ["'blocks.0.mlp.fc_in'", "'colwise'", "'rowwise'"],
+        swtp.parallelize,
+        model,
+        mesh,
+        {"blocks.*.mlp.*": "rowwise", "blocks.0.mlp.fc_in": "colwise"},
+    )
+    _expect(
+        ValueError,
+        ["'blocks.0.attn.q_proj'", "colwize"],
+        swtp.parallelize,
+        model,
+        mesh,
+        {"blocks.0.attn.q_proj": "colwize"},
+    )
+    _expect(
+        ValueError,
+        ["'ln_f.weight'", "'sequence'"],
+        swtp.parallelize,
+        model,
+        mesh,
+        {k: v for k, v in plan.items() if k != "ln_f"},
+        sequence_parallel=True,
+    )
+    odd = torch.nn.ModuleDict({"up": torch.nn.Linear(4, 6), "down": torch.nn.Linear(6, 4)})
+    _expect(
+        ValueError,
+        ["'up'", "out_features=6", f"tp={tp_size}"],
+        swtp.parallelize,
+        odd,
+        mesh,
+        {"up": "colwise", "down": "rowwise"},
+    )
+    _expect(
+        ValueError, ["'down'", "in_features=6"], swtp.parallelize, odd, mesh, {"down": "rowwise"}
+    )
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), f"a failed parallelize changed {k}"
