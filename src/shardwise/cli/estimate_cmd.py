@@ -19,6 +19,7 @@ from shardwise.estimate import (
     parse_bytes,
 )
 from shardwise.models.gpt import MODEL_SIZES, GPTConfig
+from shardwise.tp import estimate as tp_estimate
 
 _COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
@@ -80,7 +81,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="with --model: tokens per sequence (default: the model's context length)",
     )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="with --model: tensor-parallel degree (the world is dp x tp; ZeRO over dp)",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp: activations under sequence parallelism",
+    )
     p.set_defaults(func=run_estimate)
+
+
+def _tp_activation_lines(cfg: GPTConfig, args: argparse.Namespace, seq_len: int) -> str:
+    """Korthikanti et al. 2022's per-layer activation formulas (16-bit), times n_layer."""
+    rows = []
+    for recompute in tp_estimate.RECOMPUTE:
+        got = tp_estimate.gpt_activation_bytes(
+            cfg, args.micro_batch, seq_len, args.tp, args.sequence_parallel, recompute
+        )
+        rows.append(f"  recompute {recompute:>9}: {format_bytes(got)}")
+    mode = "tp + sequence parallel" if args.sequence_parallel else "tp"
+    head = f"transformer-layer activations per rank, {mode}={args.tp} (Korthikanti et al., 16-bit)"
+    return "\n".join([head, *rows])
 
 
 def _peak_table(states: dict[int, int], act: int, act_ckpt: int, device: int | None) -> str:
@@ -116,8 +141,16 @@ def run_estimate(args: argparse.Namespace) -> int:
         num_params = cfg.param_count()
     else:
         num_params = parse_count(args.params)
+    dp, held = args.world_size, num_params
+    if args.tp != 1:
+        if cfg is None or args.tp < 1 or args.world_size % args.tp:
+            raise ValueError(
+                f"--tp {args.tp} needs --model and must divide --world-size {args.world_size}"
+            )
+        sharded, replicated = tp_estimate.gpt_params_per_rank(cfg, args.tp)
+        held, dp = sharded + replicated, args.world_size // args.tp
     estimates = estimate_model_states(
-        num_params, args.world_size, args.precision, args.offload, reduce_dtype=args.reduce_dtype
+        held, dp, args.precision, args.offload, reduce_dtype=args.reduce_dtype
     )
     name = f"{args.model} model, " if cfg else ""
     print(
@@ -138,6 +171,9 @@ def run_estimate(args: argparse.Namespace) -> int:
             f"activations per rank (micro-batch {args.micro_batch} x {seq_len} tokens): "
             f"{format_bytes(act)}; with activation checkpointing: {format_bytes(act_ckpt)}"
         )
+        if args.tp != 1:
+            print(f"(per rank: {held:,} parameters at tp={args.tp}, then ZeRO over dp={dp})")
+            print(_tp_activation_lines(cfg, args, seq_len))
         print()
         print("peak per rank on the device (model states + activations)")
         print(_peak_table({s: e.device_bytes for s, e in estimates.items()}, act, act_ckpt, device))
