@@ -1,23 +1,28 @@
-"""``shardwise run``: start ranks through PyTorch's elastic launcher (torch.distributed.run).
+"""Launcher options shared by ``shardwise run`` and ``shardwise train``, and ``launch``.
 
-One machine and many work the same way; restarts after a failure (``--max-restarts``) are the
-elastic launcher's job.
+One machine and many work the same way: each node runs the same command with its
+``--node-rank``; node 0 hosts the rendezvous at ``--rdzv-endpoint``. Ranks die with their
+launcher, a stop signal gives them ``--grace-period-s`` to finish, and ``--max-restarts``
+restarts all of them after a failure (see ``run_agent``).
 """
 
 from __future__ import annotations
 
 import argparse
-import socket
+import sys
+from collections.abc import Callable
+
+from shardwise.cli.run_agent import LaunchPlan, LaunchResult, run_agent
+from shardwise.cli.run_rendezvous import free_port as free_port  # re-exported
+from shardwise.cli.run_rendezvous import parse_endpoint
+
+DEFAULT_GRACE_S = 60.0
+"""Seconds ranks get to stop after Ctrl-C / SIGTERM when no step time is known."""
+DEFAULT_RDZV_TIMEOUT_S = 600.0
 
 
 class LaunchError(ValueError):
     """Bad launcher options."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def add_launch_args(p: argparse.ArgumentParser, default_nproc: int = 1) -> None:
@@ -32,13 +37,26 @@ def add_launch_args(p: argparse.ArgumentParser, default_nproc: int = 1) -> None:
     p.add_argument(
         "--rdzv-endpoint",
         default=None,
-        help="HOST:PORT of the rendezvous (multi-node; default: a free local port)",
+        help="HOST:PORT where node 0 hosts the rendezvous (multi-node; default: a free local port)",
+    )
+    p.add_argument(
+        "--rdzv-timeout",
+        type=float,
+        default=DEFAULT_RDZV_TIMEOUT_S,
+        help=f"seconds to wait for every node to join (default {DEFAULT_RDZV_TIMEOUT_S:g})",
     )
     p.add_argument(
         "--max-restarts",
         type=int,
         default=0,
         help="restart all ranks up to K times after a failure (default 0)",
+    )
+    p.add_argument(
+        "--grace-period-s",
+        type=float,
+        default=None,
+        help="after Ctrl-C / SIGTERM / SIGHUP, seconds the ranks get to finish before SIGKILL "
+        f"(default {DEFAULT_GRACE_S:g}; train: also twice the slowest step so far)",
     )
 
 
@@ -51,47 +69,53 @@ def check_launch_args(args: argparse.Namespace) -> None:
         raise LaunchError(f"--node-rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
     if args.max_restarts < 0:
         raise LaunchError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if not args.rdzv_timeout > 0:
+        raise LaunchError(f"--rdzv-timeout must be > 0 seconds, got {args.rdzv_timeout:g}")
+    if args.grace_period_s is not None and not args.grace_period_s >= 0:
+        raise LaunchError(f"--grace-period-s must be >= 0 seconds, got {args.grace_period_s:g}")
     if args.nnodes > 1 and not args.rdzv_endpoint:
         raise LaunchError("--rdzv-endpoint HOST:PORT is required when --nnodes > 1")
+    if args.rdzv_endpoint:
+        parse_endpoint(args.rdzv_endpoint)
 
 
-def torchrun_argv(args: argparse.Namespace, target: list[str]) -> list[str]:
-    """The torch.distributed.run command line for these options; ``target`` is the script (or
-    ``-m module``) and its arguments."""
+def launch_plan(args: argparse.Namespace, target: list[str]) -> LaunchPlan:
+    """The checked plan for these options; ``target`` is ``script.py ARGS`` or ``-m mod ARGS``."""
     check_launch_args(args)
-    argv = [
-        f"--nproc-per-node={args.nproc_per_node}",
-        f"--nnodes={args.nnodes}",
-        f"--max-restarts={args.max_restarts}",
-    ]
-    if args.nnodes == 1 and not args.rdzv_endpoint:
-        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
-    else:
-        argv += [
-            f"--node-rank={args.node_rank}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={args.rdzv_endpoint}",
-        ]
-    return argv + target
+    return LaunchPlan(
+        target=list(target),
+        nproc_per_node=args.nproc_per_node,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+        max_restarts=args.max_restarts,
+        rdzv_timeout_s=args.rdzv_timeout,
+    )
 
 
-def launch(args: argparse.Namespace, target: list[str]) -> int:
-    """Run the elastic launcher in this process; returns its exit code."""
-    import os
+def _say(command: str) -> Callable[[str], None]:
+    def say(line: str) -> None:
+        print(f"shardwise {command}: {line}", file=sys.stderr, flush=True)
 
-    from torch.distributed import run as torch_run
+    return say
 
-    argv = torchrun_argv(args, target)
-    if args.max_restarts > 0:
-        # restarted ranks must not reuse the first attempt's rendezvous store address, which
-        # belonged to a rank that is gone
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    parsed = torch_run.parse_args(argv)
-    try:
-        torch_run.run(parsed)
-    except Exception as exc:  # ChildFailedError: the launcher already printed each rank's error
-        name = type(exc).__name__
-        if name == "ChildFailedError":
-            return 1
-        raise
-    return 0
+
+def launch(
+    args: argparse.Namespace,
+    target: list[str],
+    command: str = "run",
+    grace_s: Callable[[], float] | None = None,
+) -> LaunchResult:
+    """Start ``target`` on this node's ranks and supervise them until they end.
+
+    ``grace_s`` gives the grace period at the moment a stop signal arrives (default: the
+    ``--grace-period-s`` flag, else ``DEFAULT_GRACE_S``).
+    """
+    plan = launch_plan(args, target)
+    if grace_s is None:
+        flag = args.grace_period_s
+
+        def grace_s() -> float:
+            return DEFAULT_GRACE_S if flag is None else float(flag)
+
+    return run_agent(plan, grace_s, _say(command))

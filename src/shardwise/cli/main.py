@@ -7,22 +7,60 @@ import importlib
 import pkgutil
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from shardwise.cli.launch import LaunchError, add_launch_args, launch
+from shardwise.cli.run_rendezvous import RendezvousError
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     if not args.script:
         raise LaunchError("shardwise run needs a script: shardwise run [options] script.py [args]")
-    return launch(args, [args.script, *args.script_args])
+    if args.script != "-m" and not Path(args.script).is_file():
+        raise LaunchError(f"script {args.script!r} does not exist")
+    result = launch(args, [args.script, *args.script_args])
+    if result.killed:
+        print(
+            "shardwise run: the ranks did not exit within the grace period and were killed "
+            "(raise --grace-period-s)",
+            file=sys.stderr,
+        )
+    return result.code
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
-    run = sub.add_parser("run", help="start a script on N ranks (torch's elastic launcher)")
+    run = sub.add_parser(
+        "run",
+        help="start a script on N ranks",
+        description="Start a script on N ranks per node. Everything from the script on (or "
+        "after --) is the script's own: shardwise run --nproc-per-node 2 script.py --max 3",
+        allow_abbrev=False,
+    )
     add_launch_args(run)
-    run.add_argument("script", nargs="?", help="the Python script every rank runs")
-    run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
-    run.set_defaults(func=_cmd_run)
+    run.add_argument("script", nargs="?", help="the Python script every rank runs (or -m MODULE)")
+    run.set_defaults(func=_cmd_run, script_args=[])
+
+
+def split_script_args(
+    argv: list[str], parser: argparse.ArgumentParser
+) -> tuple[list[str], list[str]]:
+    """Split ``run``'s arguments into the launcher's and the script's (from the script on, or
+    after ``--``), so that a script's ``--max`` never reaches the launcher's parser."""
+    takes_value = {
+        opt
+        for action in parser._actions
+        if action.nargs != 0 and action.option_strings
+        for opt in action.option_strings
+    }
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return argv[:i], argv[i + 1 :]
+        if not token.startswith("-") or token == "-m":
+            return argv[:i], argv[i:]
+        i += 2 if token in takes_value else 1
+    return argv, []
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,12 +85,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "run":
+        run_parser = parser._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
+        own, script = split_script_args(argv[1:], run_parser)
+        args = parser.parse_args(["run", *own])
+        if script:
+            args.script, args.script_args = script[0], script[1:]
+    else:
+        args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:
         print(f"shardwise {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except RendezvousError as exc:
+        print(f"shardwise {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"shardwise {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -9,15 +9,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shardwise.cli.launch import add_launch_args, check_launch_args, launch
+from shardwise.cli.launch import DEFAULT_GRACE_S, add_launch_args, check_launch_args, launch
+from shardwise.cli.run_agent import LaunchResult
 from shardwise.config import PRECISIONS, Config
+from shardwise.train.lock import RunDirLock
+from shardwise.train.metrics import read_metrics
 from shardwise.train.options import DEFAULT_STEPS, RunConfig, TrainOptions
 from shardwise.train.progress import format_duration, format_rate
 from shardwise.train.rundir import RunDir, latest_run_dir, new_run_dir
 from shardwise.train.summary import read_summary
+
+EXIT_KILLED = 128 + 9
+"""Exit code when a stop signal's grace period ran out and the ranks were killed."""
 
 DEFAULT_NPROC = 2
 DEFAULT_MICRO_BATCH = 8
@@ -210,11 +219,39 @@ def _resumed_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir]:
     ), run_dir
 
 
-def _report(run_dir: RunDir, code: int) -> None:
+def _newest_checkpoint(run_dir: RunDir) -> int | None:
+    from shardwise.checkpoint.journal import Journal
+
+    journal = Journal(run_dir.checkpoints)
+    if not journal.exists():
+        return None
+    live = journal.read().live_steps()
+    return live[-1] if live else None
+
+
+def _slowest_step_s(run_dir: RunDir) -> float:
+    if not run_dir.metrics.is_file():
+        return 0.0
+    return max((r.get("step_time_s") or 0.0 for r in read_metrics(run_dir.metrics)), default=0.0)
+
+
+def _grace(args: argparse.Namespace, run_dir: RunDir) -> Callable[[], float]:
+    """The grace period when a stop signal arrives: the flag, else a step and a save's worth."""
+
+    def grace_s() -> float:
+        if args.grace_period_s is not None:
+            return float(args.grace_period_s)
+        return DEFAULT_GRACE_S + 2 * _slowest_step_s(run_dir)
+
+    return grace_s
+
+
+def _report(run_dir: RunDir, code: int, started: float) -> None:
     """The last lines on the terminal: how the run went and where to look."""
     summary = read_summary(run_dir.summary)
-    if summary is None:
-        print(f"shardwise train: no summary in {run_dir.root} (exit code {code})")
+    if summary is None or run_dir.summary.stat().st_mtime < started:
+        print(f"shardwise train: the run wrote no summary (exit code {code})")
+        print(f"run directory: {run_dir.root}")
         return
     val, base = summary.get("final_val_loss"), summary["unigram_baseline"]
     val_text = "n/a" if val is None else f"{val:.3f}"
@@ -225,33 +262,92 @@ def _report(run_dir: RunDir, code: int) -> None:
         f"{summary['world_size']} ranks, wall time {format_duration(summary['wall_time_s'])}"
     )
     print(f"run directory: {run_dir.root}")
-    if summary["status"] != "finished":
-        print(f"continue with: shardwise train --run-dir {run_dir.root} --resume")
     print(
         f"plots: shardwise report {run_dir.root}    sample: shardwise generate "
         f"{run_dir.root} --prompt 'def '"
     )
 
 
+def _stop_message(run_dir: RunDir, result: LaunchResult, before: int | None) -> int:
+    """Say whether stopping wrote a checkpoint; returns the exit code (128 + the signal when
+    it did, 137 when the ranks had to be killed)."""
+    assert result.stop_signal is not None
+    after = _newest_checkpoint(run_dir)
+    name = result.stop_signal.name
+    if result.killed:
+        kept = "the run has none" if after is None else f"the newest is step {after}"
+        print(
+            f"shardwise train: stopped by {name}; the ranks did not finish within the grace "
+            f"period and were killed: no checkpoint was written ({kept}); "
+            "raise --grace-period-s to let them save",
+            file=sys.stderr,
+        )
+        return EXIT_KILLED
+    written = after is not None and after != before
+    what = f"checkpoint of step {after} written" if written else "no new checkpoint written"
+    print(f"shardwise train: stopped by {name}: {what}", file=sys.stderr)
+    return result.code
+
+
+def _open_run_dir(run_dir: RunDir) -> None:
+    try:
+        run_dir.root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cannot create the run directory {run_dir.root}: {exc.strerror}") from exc
+    if not os.access(run_dir.root, os.W_OK):
+        raise ValueError(f"the run directory {run_dir.root} is not writable: choose another")
+
+
+def _write_config(run: RunConfig, run_dir: RunDir) -> None:
+    try:
+        run.write(run_dir.config)
+    except OSError as exc:
+        raise ValueError(
+            f"cannot write {run_dir.config}: {exc.strerror} (is the disk full or read-only?)"
+        ) from exc
+
+
 def run_train(args: argparse.Namespace) -> int:
     _check_engine_flags(args)
     run, run_dir = _resumed_run(args) if args.resume else _new_run(args)
-    run_dir.root.mkdir(parents=True, exist_ok=True)
-    run.write(run_dir.config)
-    print(
-        f"shardwise train: {run.train.model} model, {run.world_size} ranks, "
-        f"ZeRO-{run.engine.zero_stage}, {run.engine.precision}, {run.train.steps} steps of "
-        f"{run.tokens_per_step} tokens -> {run_dir.root}",
-        flush=True,
-    )
-    if args.nproc_per_node > 1:  # what the elastic launcher would set, minus its warning
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-    target = ["-m", "shardwise.train.worker", str(run_dir.root)]
+    _open_run_dir(run_dir)
+    lock = RunDirLock(run_dir.root) if args.node_rank == 0 else None
     try:
-        code = launch(args, target + (["--resume"] if args.resume else []))
-    except Exception as exc:  # the elastic agent's SignalException: Ctrl-C or SIGTERM
-        if type(exc).__name__ != "SignalException":
-            raise
-        code = 128 + int(getattr(exc, "sigval", 2))  # 130 for SIGINT, 143 for SIGTERM
-    _report(run_dir, code)
+        if lock is not None:
+            _lock(lock)
+        if not args.resume and run_dir.exists():  # another job started it meanwhile
+            raise ValueError(f"{run_dir.root} already holds a run: pass --resume to continue it")
+        _write_config(run, run_dir)
+        print(
+            f"shardwise train: {run.train.model} model, {run.world_size} ranks, "
+            f"ZeRO-{run.engine.zero_stage}, {run.engine.precision}, {run.train.steps} steps of "
+            f"{run.tokens_per_step} tokens -> {run_dir.root}",
+            flush=True,
+        )
+        if args.nproc_per_node > 1:
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
+        target = ["-m", "shardwise.train.worker", str(run_dir.root)]
+        before, started = _newest_checkpoint(run_dir), time.time()
+        result = launch(
+            args,
+            target + (["--resume"] if args.resume else []),
+            "train",
+            grace_s=_grace(args, run_dir),
+        )
+    finally:
+        if lock is not None:
+            lock.release()
+    _report(run_dir, result.code, started)
+    code = result.code
+    if result.stop_signal is not None:
+        code = _stop_message(run_dir, result, before)
+    if code != 0:
+        print(f"continue with: shardwise train --run-dir {run_dir.root} --resume")
     return code
+
+
+def _lock(lock: RunDirLock) -> None:
+    try:
+        lock.acquire()
+    except OSError as exc:
+        raise ValueError(f"cannot lock {lock.path}: {exc.strerror}") from exc

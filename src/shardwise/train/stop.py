@@ -1,7 +1,8 @@
-"""Graceful stop on SIGINT / SIGTERM: the loop finishes its step, then every rank stops together.
+"""Graceful stop on SIGINT / SIGTERM / SIGHUP: the loop finishes its step, then every rank
+stops together.
 
-A terminal's Ctrl-C reaches every rank and the launcher (which forwards it to the ranks once
-more); ``kill -INT`` may reach one rank only. The handler only raises a flag, so no collective is
+The launcher forwards a stop signal it receives to its ranks (SIGHUP as SIGTERM); ``kill -INT``
+may reach one rank only. The handler only raises a flag, so no collective is
 ever cut in half; the loop shares the flag with the other ranks at the end of each step (see
 ``loop.py``) so that all of them stop after the same step.
 """
@@ -14,12 +15,12 @@ from types import FrameType
 
 log = logging.getLogger("shardwise.train")
 
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 """Shell convention: 128 + the signal number."""
 
 
 class StopRequest:
-    """Installs handlers for SIGINT and SIGTERM that record the signal instead of raising.
+    """Installs handlers for SIGINT, SIGTERM and SIGHUP that record the signal instead of raising.
 
     Use as a context manager; the previous handlers come back on exit.
     """
@@ -45,7 +46,7 @@ class StopRequest:
 
     @property
     def exit_code(self) -> int:
-        """130 after SIGINT, 143 after SIGTERM, 0 when no stop was requested."""
+        """130 after SIGINT, 143 after SIGTERM, 129 after SIGHUP, 0 when no stop was requested."""
         return EXIT_CODES.get(self.signal, 1) if self.signal is not None else 0
 
     def __enter__(self) -> StopRequest:

@@ -1,0 +1,167 @@
+"""``shardwise run`` under faults, as real processes: the launcher killed (-9) on one node and
+on two, signals and their exit codes, a missing node, a held rendezvous port, script options."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import psutil
+from launcher_procs import SPIN, Cli, assert_all_gone, free_port, wait_ranks
+
+
+def test_kill_9_of_the_launcher_takes_its_ranks_along():
+    cli = Cli("run", "--nproc-per-node", "2", str(SPIN))
+    try:
+        cli.wait_for("rank 1 started")
+        ranks = wait_ranks(cli, 2)
+        os.kill(cli.proc.pid, signal.SIGKILL)
+        assert_all_gone(ranks)
+    finally:
+        cli.cleanup()
+
+
+def test_kill_9_of_one_node_ends_both_nodes():
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = ["run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint]
+    nodes = [Cli(*common, "--node-rank", str(k), str(SPIN)) for k in (0, 1)]
+    try:
+        for cli in nodes:
+            cli.wait_for("started")
+        ranks = [r for cli in nodes for r in wait_ranks(cli, 1)]
+        os.kill(nodes[0].proc.pid, signal.SIGKILL)  # node 0 also hosts the rendezvous
+        assert_all_gone(ranks, timeout=60)
+        assert nodes[1].finish(60) != 0
+    finally:
+        for cli in nodes:
+            cli.cleanup()
+
+
+def test_ctrl_c_on_run_exits_130():
+    cli = Cli("run", "--nproc-per-node", "2", str(SPIN))
+    try:
+        cli.wait_for("rank 1 started")
+        ranks = wait_ranks(cli, 2)
+        cli.proc.send_signal(signal.SIGINT)
+        assert cli.finish(60) == 130, cli.output[-3000:]
+        assert_all_gone(ranks)
+        assert "Traceback" not in cli.output, cli.output[-3000:]
+        assert "rank 0: interrupted (SIGINT)" in cli.output
+    finally:
+        cli.cleanup()
+
+
+def test_sigint_to_one_rank_exits_130():
+    cli = Cli("run", "--nproc-per-node", "2", str(SPIN))
+    try:
+        cli.wait_for("rank 1 started")
+        ranks = wait_ranks(cli, 2)
+        rank1 = next(r for r in ranks if r.environ().get("RANK") == "1")
+        rank1.send_signal(signal.SIGINT)
+        assert cli.finish(60) == 130, cli.output[-3000:]
+        assert_all_gone(ranks)
+        assert "rank 1: interrupted (SIGINT)" in cli.output
+    finally:
+        cli.cleanup()
+
+
+def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace_period():
+    script = SPIN.parent / "deaf.py"
+    cli = Cli("run", "--nproc-per-node", "1", "--grace-period-s", "2", str(script))
+    try:
+        cli.wait_for("deaf rank started")
+        ranks = wait_ranks(cli, 1)
+        t0 = time.monotonic()
+        cli.proc.send_signal(signal.SIGHUP)
+        assert cli.finish(60) == 129, cli.output[-3000:]
+        assert time.monotonic() - t0 < 30
+        assert_all_gone(ranks)
+        assert "SIGHUP: stopping the ranks (they have 2 s, then SIGKILL)" in cli.output
+        assert "did not exit within the grace period" in cli.output
+    finally:
+        cli.cleanup()
+
+
+def test_script_options_reach_the_script():
+    cli = Cli("run", "--nproc-per-node", "1", str(SPIN), "--max", "3", "--d", "x")
+    try:
+        assert cli.finish(120) == 0, cli.output[-3000:]
+        assert "rank 0 started: max=3 d='x'" in cli.output and "rank 0 done" in cli.output
+    finally:
+        cli.cleanup()
+    cli = Cli("run", "--nproc-per-node", "1", "--", str(SPIN), "--max", "2")
+    try:
+        assert cli.finish(120) == 0, cli.output[-3000:]
+        assert "max=2" in cli.output
+    finally:
+        cli.cleanup()
+
+
+def test_a_missing_node_is_reported_while_waiting_then_times_out():
+    endpoint = f"127.0.0.1:{free_port()}"
+    cli = Cli(
+        "run",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-timeout",
+        "3",
+        str(SPIN),
+    )
+    try:
+        assert cli.finish(60) == 1, cli.output[-3000:]
+        assert f"waiting for 1 of 2 nodes at {endpoint}" in cli.output
+        last = cli.output.strip().splitlines()[-1]
+        assert last.startswith("shardwise run: error: only 1 of 2 nodes joined"), last
+        assert "--rdzv-timeout" in last and "Traceback" not in cli.output
+    finally:
+        cli.cleanup()
+
+
+def test_a_rendezvous_port_held_by_another_program_is_refused():
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        cli = Cli(
+            "run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            str(SPIN),
+        )
+        try:
+            assert cli.finish(60) == 2, cli.output[-3000:]
+            assert cli.output.strip() == (
+                f"shardwise run: error: the rendezvous port 127.0.0.1:{port} is held by another "
+                "program (Address already in use): choose another --rdzv-endpoint port"
+            )
+        finally:
+            cli.cleanup()
+        # a non-host node dialing a port where no rendezvous answers gives up with a message
+        cli = Cli(
+            "run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-timeout",
+            "3",
+            str(SPIN),
+        )
+        try:
+            assert cli.finish(60) == 1, cli.output[-3000:]
+            assert "no shardwise rendezvous answered" in cli.output
+        finally:
+            cli.cleanup()
+    assert not psutil.Process().children(recursive=True)
