@@ -68,6 +68,8 @@ class Config:
     """"auto": resume from the newest verified checkpoint in checkpoint_dir; "never"."""
     debug_collectives: bool = False
     """Check before each collective that every rank issues the same call (slower)."""
+    nonfinite_grads: str = "skip"
+    """fp32/bf16, a non-finite global gradient norm: "skip" the step with a warning, or "raise"."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form values for the user's own scripts (not read by shardwise)."""
 
@@ -79,6 +81,7 @@ class Config:
         _choice("precision", self.precision, PRECISIONS)
         _choice("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
         _choice("resume", self.resume, RESUME)
+        _choice("nonfinite_grads", self.nonfinite_grads, ("skip", "raise"))
         _positive_int("gradient_accumulation_steps", self.gradient_accumulation_steps)
         _positive_int("reduce_bucket_bytes", self.reduce_bucket_bytes)
         _positive_int("loss_scale_window", self.loss_scale_window)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,49 +20,42 @@ import numpy as np
 import torch
 from torch import nn
 
-from shardwise import comm
+from shardwise import comm, param_access
 from shardwise.comm.groups import Group
 from shardwise.config import Config
+from shardwise.engine_build import (
+    SchedulerFactory,
+    backward_args,
+    broadcast_buffers,
+    build_flats,
+    build_optimizer,
+    build_scheduler,
+    cast_outside_flats,
+    check_model,
+    check_same_structure,
+    resolve_group,
+)
+from shardwise.engine_memory import memory_report
 from shardwise.mesh import Mesh
+from shardwise.placement import NormReduction, Placement, placement_of
 from shardwise.precision import DynamicLossScaler, resolve_precision
 from shardwise.recompute import apply_activation_checkpointing
 from shardwise.zero import optimizer as zero_opt
 from shardwise.zero.flat_param import Dtypes, FlatParam
-from shardwise.zero.param_schedule import ParamSchedule
 from shardwise.zero.partition import ParamSlot
 from shardwise.zero.reducer import GradReducer
 from shardwise.zero.stage import ZeroStage
 from shardwise.zero.step import sharded_step, zero_grads
-from shardwise.zero.units import buckets, split_trainable, units
 
 log = logging.getLogger("shardwise")
 
-SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
-
-
-def _resolve_group(group: Group | Mesh | None) -> Group:
-    if isinstance(group, Mesh):
-        return group.group("dp")
-    return comm.resolve(group)
-
-
-def _check_model(model: nn.Module) -> torch.device:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
-    if not devices:
-        raise ValueError("the model has no parameters to train")
-    if len(devices) > 1:
-        raise ValueError(
-            f"the model's parameters and buffers are on different devices "
-            f"{sorted(str(d) for d in devices)}; move it to one device first"
-        )
-    return devices.pop()
+__all__ = ["Engine", "SchedulerFactory", "initialize"]
 
 
 class Engine:
     """A model, its sharded optimizer and the ZeRO machinery, driven by forward / backward /
-    step. Build it with ``shardwise.initialize``."""
+    step. Build it with ``shardwise.initialize``, which applies the parallelisms that change the
+    model first (activation checkpointing from ``Config``)."""
 
     def __init__(
         self,
@@ -72,29 +66,36 @@ class Engine:
         lr_scheduler: SchedulerFactory | None = None,
     ) -> None:
         self.config = config
-        self.device = _check_model(model)
-        self.group = _resolve_group(group)
+        self.device = check_model(model)
+        self.mesh = group if isinstance(group, Mesh) else None
+        self.group = resolve_group(group)
         self.stage = ZeroStage.of(config.zero_stage)
+        param_access.check_unclaimed(model)
+        if isinstance(optimizer, torch.optim.Optimizer):  # before the model is rebuilt
+            zero_opt.check_shardable(type(optimizer), config.allow_untested_optimizer)
         comm.set_debug(True if config.debug_collectives else None)
         policy = resolve_precision(config.precision, config.reduce_dtype, self.device)
         self.precision = policy
         self.dtypes = Dtypes(policy.compute_dtype, policy.reduce_dtype, policy.master_dtype)
         self.host = torch.device("cpu") if config.offload_optimizer else self.device
         self.module = model
-        if config.activation_checkpointing:
-            apply_activation_checkpointing(model, config.activation_checkpointing)
         self._seed(config.seed)
-        src = self.group.ranks[0]
-        self._broadcast_buffers(src)
-        self.flats, self._schedule = self._build_flats(model, src)
+        check_same_structure(model, self.group, self.device)
+        broadcast_buffers(model, self.group.ranks[0], self.group)
+        self.flats, self._schedule = build_flats(
+            model, config, self.stage, self.group, self.dtypes, self.host
+        )
+        param_access.claim(model)
         self._where: dict[int, tuple[FlatParam, ParamSlot]] = {
             id(p): (f, s) for f in self.flats for s, p in zip(f.slots, f.params)
         }
-        self._cast_frozen_and_buffers()
+        self.norm = self._norm_reduction(model)
+        self._state_dict_hooks = param_access.guard_state_dict(model, self.flats)
+        cast_outside_flats(model, set(self._where), self.dtypes.param)
         if self.dtypes.param != torch.float32:  # floating inputs follow the compute dtype
             self._input_hook = model.register_forward_pre_hook(self._cast_inputs)
-        self.optimizer = self._build_optimizer(model, optimizer)
-        self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        self.optimizer = build_optimizer(model, self.flats, optimizer, config)
+        self.lr_scheduler = build_scheduler(lr_scheduler, self.optimizer)
         self.scaler = DynamicLossScaler(
             init_scale=2.0**config.initial_loss_scale_power,
             growth_interval=config.loss_scale_window,
@@ -116,61 +117,13 @@ class Engine:
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
 
-    def _broadcast_buffers(self, src: int) -> None:
-        """Every rank starts from rank 0's buffers (e.g. BatchNorm running statistics)."""
-        bufs = [b for b in self.module.buffers() if b.numel() > 0]
-        for b in bufs:
-            comm.broadcast(
-                b.data if b.is_contiguous() else b.data.contiguous(), src=src, group=self.group
-            )
-
-    def _build_flats(
-        self, model: nn.Module, src: int
-    ) -> tuple[list[FlatParam], ParamSchedule | None]:
-        cfg, stage = self.config, self.stage
-        if not stage.shard_params:
-            flats = [
-                FlatParam(named, self.group, stage, self.dtypes, trainable)
-                for named, trainable in buckets(model, cfg.reduce_bucket_bytes)
-            ]
-            frozen = [p for p in model.parameters() if not p.requires_grad]
-            for p in frozen:  # replicated and never updated: rank 0's values, once
-                comm.broadcast(p.data, src=src, group=self.group)
-            schedule = None
-        else:
-            specs = units(model, tuple(cfg.wrap_policy) if cfg.wrap_policy else None)
-            by_name: dict[str, list[FlatParam]] = {}
-            flats = []
-            for spec in specs:
-                trainable, frozen = split_trainable(spec.own)
-                mine = [
-                    FlatParam(named, self.group, stage, self.dtypes, flag)
-                    for named, flag in ((trainable, True), (frozen, False))
-                    if named
-                ]
-                by_name[spec.name] = mine
-                flats += mine
-            needs = [by_name[s.name] + [f for n in s.foreign for f in by_name[n]] for s in specs]
-            # reductions start in reverse registration order: roughly the backward order
-            flats = flats[::-1]
-            schedule = ParamSchedule([s.module for s in specs], needs, cfg.prefetch_units)
-        for f in flats:
-            f.broadcast_from(src)
-            f.finish_init(self.host)
-        return flats, schedule
-
-    def _cast_frozen_and_buffers(self) -> None:
-        """Parameters outside flat buffers (frozen, stages 0-2) and floating buffers run in the
-        compute dtype too."""
-        if self.dtypes.param == torch.float32:
-            return
-        for p in self.module.parameters():
-            if id(p) not in self._where and p.is_floating_point():
-                p.data = p.data.to(self.dtypes.param)
-        for mod in self.module.modules():
-            for name, b in mod.named_buffers(recurse=False):
-                if b is not None and b.is_floating_point():
-                    setattr(mod, name, b.to(self.dtypes.param))
+    def _norm_reduction(self, model: nn.Module) -> NormReduction:
+        """Every pipeline stage holds its own layers: with a mesh, the norm also sums over pp."""
+        extra = ()
+        if self.mesh is not None and self.mesh.pp_size > 1:
+            extra = (self.mesh.group("pp"),)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return NormReduction(trainable, self.group, extra)
 
     def _cast_inputs(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         return tuple(
@@ -178,27 +131,20 @@ class Engine:
             for a in args
         )
 
-    def _build_optimizer(
-        self, model: nn.Module, optimizer: zero_opt.OptimizerLike
-    ) -> torch.optim.Optimizer:
-        shard_of = {}
-        for f in self.flats:
-            for pc, op in zip(f.opt_pieces, f.opt_params):
-                shard_of[id(f.params[f.slots.index(pc.slot)])] = op
-        return zero_opt.rebuild(
-            optimizer, list(model.parameters()), shard_of, self.config.allow_untested_optimizer
-        )
-
-    def _build_scheduler(self, factory: SchedulerFactory | None) -> Any:
-        if factory is None:
-            return None
-        if isinstance(factory, torch.optim.lr_scheduler.LRScheduler):
-            raise TypeError(
-                "pass lr_scheduler as a callable optimizer -> scheduler (e.g. "
-                "lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)): the engine "
-                "builds its own optimizer over the shards"
-            )
-        return factory(self.optimizer)
+    def placement(self, param: torch.Tensor) -> Placement:
+        """Where ``param`` (a parameter of ``self.module``) lives: the tensor-dim splits marked
+        by parallel layers, the dp group ZeRO shards it over, and the mesh groups holding
+        copies of this rank's piece."""
+        if id(param) not in self._where and all(param is not p for p in self.module.parameters()):
+            raise ValueError("not a parameter of this engine's model")
+        marked = placement_of(param)
+        copies: list[Group] = [] if self.stage.shard_params else [self.group]
+        if self.mesh is not None and self.mesh.tp_size > 1:
+            tp = self.mesh.group("tp")
+            if not marked.is_sharded_over(tp):
+                copies.append(tp)
+        zero = self.group if self.stage.shard_optimizer else None
+        return Placement(marked.shards, zero=zero, replicated=tuple(copies))
 
     # ---- training ----
 
@@ -217,19 +163,32 @@ class Engine:
         """True when the next backward ends an accumulation window."""
         return (self.micro_step + 1) % self.config.gradient_accumulation_steps == 0
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss`` / accumulation steps (times the loss scale in fp16), with
-        gradient reduction overlapped. Communicates: see ``GradReducer``."""
-        if loss.dim() != 0:
-            raise ValueError(f"backward needs a scalar loss, got shape {tuple(loss.shape)}")
+    def backward(
+        self,
+        tensors: torch.Tensor | Sequence[torch.Tensor],
+        grad_tensors: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    ) -> None:
+        """Backward, with gradient reduction overlapped. Communicates: see ``GradReducer``.
+
+        ``backward(loss)``: from a scalar loss, divided by the accumulation steps (and, in fp16,
+        multiplied by the loss scale). ``backward(outputs, grads)``: from gradients received for
+        this stage's outputs (a pipeline stage that is not the last), used as given: they are
+        the next stage's input gradients and already carry its division by the accumulation
+        steps and, in fp16, its loss scale. Every stage's engine starts from the same scale and
+        skips the same steps (the gradient norm spans every mesh axis), so the scales agree and
+        ``step()`` unscales the received part correctly.
+        """
+        outputs, grads = backward_args(tensors, grad_tensors)
         if self._schedule is not None:
             self._schedule.finish_forward_recording()
         self.reducer.begin(
             self.is_boundary or self.stage.reduce_every_micro_step, last=self.is_boundary
         )
-        scaled = self.scaler.scale_loss(loss.float() / self.config.gradient_accumulation_steps)
+        if grads is None:
+            accum = self.config.gradient_accumulation_steps
+            outputs = [self.scaler.scale_loss(outputs[0].float() / accum)]
         try:
-            scaled.backward()
+            torch.autograd.backward(outputs, grads)
         finally:
             self.reducer.finish()
             if self._schedule is not None:
@@ -247,23 +206,33 @@ class Engine:
         if self.micro_step == 0 or self.micro_step % accum != 0:
             return False
         result = sharded_step(
-            self.flats, self.optimizer, self.scaler, self.config.gradient_clipping
+            self.flats, self.optimizer, self.scaler, self.config.gradient_clipping, self.norm
         )
         self.grad_norm = result.grad_norm
+        self.zero_grad()
         if result.updated:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self.global_step += 1
-        else:
-            self.skipped_steps += 1
+            return True
+        self.skipped_steps += 1
+        me = self.group.ranks[self.group.rank]
+        if self.scaler.enabled:
             log.warning(
                 "rank %d: step %d skipped: gradient overflow; loss scale now %g",
-                self.group.ranks[self.group.rank],
+                me,
                 self.global_step,
                 self.scaler.scale,
             )
-        self.zero_grad()
-        return result.updated
+            return False
+        what = f"the global gradient norm is {result.grad_norm} at step {self.global_step}"
+        if self.config.nonfinite_grads == "raise":
+            raise FloatingPointError(
+                f"{what}; the step was not applied (set Config(nonfinite_grads='skip') to "
+                f"skip such steps with a warning instead)"
+            )
+        log.warning("rank %d: step skipped: %s (%d skipped so far)", me, what, self.skipped_steps)
+        return False
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (kept gradient buffers are zeroed in place)."""
@@ -274,72 +243,35 @@ class Engine:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsharded model state keyed by the original names, parameters at master
         precision. Communicates (stages 1-3): an all_gather per flat buffer."""
-        values: dict[int, torch.Tensor] = {}
-        for f in self.flats:
-            full = f.full_master()
-            for slot, p in zip(f.slots, f.params):
-                values[id(p)] = full[slot.offset : slot.end].view(slot.shape).clone()
-        out = {}
-        for name, t in self.module.state_dict(keep_vars=True).items():
-            v = values.get(id(t))
-            out[name] = v if v is not None else t.detach().clone()
-        return out
+        return param_access.full_state_dict(self.module, self.flats)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load a full model state (as ``state_dict`` returns); communicates nothing."""
-        own = self.module.state_dict(keep_vars=True)
-        missing = sorted(set(own) - set(state))
-        unexpected = sorted(set(state) - set(own))
-        if missing or unexpected:
-            raise ValueError(
-                f"state dict does not match the model: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}"
-            )
-        for name, t in own.items():
-            value = state[name]
-            if tuple(value.shape) != tuple(t.shape):
-                raise ValueError(
-                    f"state dict entry {name} has shape {tuple(value.shape)}, the "
-                    f"model's is {tuple(t.shape)}"
-                )
-            where = self._where.get(id(t))
-            if where is not None:
-                where[0].load_param(where[1], value.to(self.device))
-            else:
-                with torch.no_grad():
-                    t.data.copy_(value)
+        param_access.load_full_state_dict(self.module, self._where, state, self.device)
 
     def memory(self) -> dict[str, int]:
-        """Bytes this rank holds now, from the tensors that exist: params, grads, optimizer
-        (states and a separate fp32 master), buffers, comm (buffers of collectives in flight);
-        plus ``device`` and ``host`` totals."""
-        params = grads = master = master_host = 0
-        for f in self.flats:
-            m = f.memory()
-            params += m["params"]
-            grads += m["grads"]
-            master += m["master"]
-            if f.master.device.type == "cpu" and self.device.type != "cpu":
-                master_host += m["master"]
-        outside = set(self._where)
-        for p in self.module.parameters():
-            if id(p) not in outside:
-                params += p.untyped_storage().nbytes()
-        states = zero_opt.state_bytes(self.optimizer)
-        opt_host = states if self.host.type == "cpu" and self.device.type != "cpu" else 0
-        buffers = sum(b.untyped_storage().nbytes() for b in self.module.buffers())
-        out = {
-            "params": params,
-            "grads": grads,
-            "optimizer": states + master,
-            "buffers": buffers,
-            "comm": self.reducer.comm_bytes(),
-        }
-        out["host"] = opt_host + master_host
-        out["device"] = (
-            sum(out[k] for k in ("params", "grads", "optimizer", "buffers", "comm")) - out["host"]
+        """Bytes this rank holds now: see ``engine_memory.memory_report``."""
+        return memory_report(
+            self.module,
+            self.flats,
+            self.optimizer,
+            self.device,
+            self.host,
+            self.reducer.comm_bytes(),
         )
-        return out
+
+    @contextmanager
+    def gathered_parameters(
+        self,
+        params: Sequence[torch.Tensor] | torch.Tensor | None = None,
+        modifier_rank: int | None = None,
+    ) -> Iterator[None]:
+        """The full parameters of ``self.module`` (all, or those holding ``params``) inside a
+        ``with`` block; call on every rank. ``modifier_rank``: that global rank's changes are
+        written back into every shard and master copy on exit. See
+        ``param_access.gathered_parameters`` (what it communicates)."""
+        with param_access.gathered_parameters(self.flats, params, modifier_rank):
+            yield
 
     # ---- checkpoints (see shardwise.checkpoint.engine_state) ----
     #
@@ -460,17 +392,26 @@ def initialize(
     group: Group | Mesh | None = None,
     lr_scheduler: SchedulerFactory | None = None,
 ) -> Engine:
-    """Wrap ``model`` for ZeRO training over ``group`` (default: the world; a Mesh: its dp axis).
+    """Wrap ``model`` for ZeRO training over ``group`` (default: the world; a Mesh: its dp axis,
+    the norm spanning its other axes too).
+
+    Parallelisms apply from outside the model in one order: pipeline split, tensor parallel
+    (both done by the caller before this, marking split parameters with
+    ``shardwise.placement.mark_sharded``), recompute (``config.activation_checkpointing``,
+    applied here by ``shardwise.recompute.apply_activation_checkpointing``), ZeRO (the Engine).
 
     Args:
-        model: the model, on one device, identical in structure on every rank (weights are
-            taken from the group's first rank).
+        model: the model, on one device, identical in structure on every rank of the dp group
+            (checked; weights are taken from the group's first rank). A model is initialized
+            once.
         optimizer: a torch optimizer over ``model.parameters()`` (its class, hyperparameters
             and parameter groups are kept) or a callable ``params -> optimizer``.
         config: a ``Config`` or a dict of its keys.
+        group: a ``Group`` (data parallel over it) or a ``Mesh``.
         lr_scheduler: a callable ``optimizer -> scheduler``, stepped with the optimizer.
 
-    Communicates: broadcasts of every parameter and buffer from the group's first rank.
+    Communicates: one all_gather of 8 bytes per rank (the structure check), broadcasts of every
+    parameter and buffer from the group's first rank.
     """
     from shardwise import dist as sw_dist
 
@@ -482,4 +423,6 @@ def initialize(
         config = Config.from_dict(config)
     elif not isinstance(config, Config):
         raise TypeError(f"config must be a shardwise.Config or a dict, got {type(config).__name__}")
+    if config.activation_checkpointing:
+        apply_activation_checkpointing(model, config.activation_checkpointing)
     return Engine(model, optimizer, config, group=group, lr_scheduler=lr_scheduler)

@@ -102,7 +102,12 @@ class FlatParam:
                 self.full[slot.offset : slot.end].copy_(src)
                 if self._init_master is not None:
                     self._init_master[slot.offset : slot.end].copy_(src)
-                p.data = self.full[slot.offset : slot.end].view(slot.shape)
+        self._attach_views()
+        # What a released parameter's ``.data`` shows: its shape, NaN values (zero for integer
+        # dtypes), backed by one element, so that touching a sharded parameter outside forward
+        # reads a visibly wrong value instead of freed memory.
+        fill = float("nan") if dtypes.param.is_floating_point else 0
+        self._placeholder = torch.full((), fill, dtype=dtypes.param, device=self.device)
         self.state = ParamState.FULL
         self._gather_handle: comm.Handle | None = None
         self._gather_src: torch.Tensor | None = None
@@ -134,6 +139,7 @@ class FlatParam:
             self.shard = self.full[self.shard_start : self.shard_stop].clone()
             self._transition(ParamState.SHARDED)
             _resize_storage(self.full, 0)
+            self._detach_views()
         base = self.shard if self.stage.shard_optimizer else self.full
         host = host or self.device
         if self._init_master is not None:
@@ -164,6 +170,17 @@ class FlatParam:
         assert new in _LEGAL[self.state], f"illegal {self.state} -> {new}"
         self.state = new
 
+    def _attach_views(self) -> None:
+        """Each parameter's ``.data`` becomes its view of ``full``."""
+        for slot, p in zip(self.slots, self.params):
+            p.data = self.full[slot.offset : slot.end].view(slot.shape)
+
+    def _detach_views(self) -> None:
+        """``full`` is freed: point each parameter at the placeholder, never at freed memory
+        (autograd's saved views of ``full`` stay valid: the storage object is the same)."""
+        for slot, p in zip(self.slots, self.params):
+            p.data = self._placeholder.expand(slot.shape)
+
     def gather(self, async_op: bool = False) -> None:
         """Refill ``full`` from every rank's shard. Communicates: all_gather of the padded
         flat buffer (payload ``padded * itemsize`` bytes)."""
@@ -186,6 +203,7 @@ class FlatParam:
             self._gather_handle.wait()
             self._gather_handle = self._gather_src = None
             self._transition(ParamState.FULL)
+            self._attach_views()
 
     def release(self) -> None:
         """Free the full parameters (stage 3 only); the shard stays."""
@@ -194,6 +212,7 @@ class FlatParam:
         self.wait_gather()
         self._transition(ParamState.SHARDED)
         _resize_storage(self.full, 0)
+        self._detach_views()
 
     # ---- after the optimizer step ----
 

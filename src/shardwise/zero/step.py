@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from shardwise import comm
+from shardwise.placement import NormReduction
 from shardwise.precision import DynamicLossScaler
 from shardwise.zero.flat_param import FlatParam
 
@@ -22,20 +23,41 @@ class StepResult:
     grad_norm: float  # before clipping, unscaled; inf on overflow
 
 
-def global_sumsq(flats: list[FlatParam], grads: list[torch.Tensor]) -> float:
-    """Sum of squares of every reduced gradient. Communicates (optimizer sharded): one
-    all_reduce of one fp32 value; with replicated optimizer states every rank already has it."""
+def _sumsq(g: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(g, dtype=torch.float32).square()
+
+
+def _local_sumsq(f: FlatParam, g: torch.Tensor, norm: NormReduction | None) -> torch.Tensor:
+    """This rank's squares of ``f``'s optimizer-range gradient ``g``, leaving out parameters
+    that another rank of a replicating group counts (see ``NormReduction``)."""
+    if norm is None or all(norm.counts(p) for p in f.params):
+        return _sumsq(g)  # a norm per buffer: no temporary copy of the squares
+    total = torch.zeros((), dtype=torch.float32, device=g.device)
+    for pc in f.opt_pieces:
+        if norm.counts(f.params[f.slots.index(pc.slot)]):
+            total += _sumsq(g[pc.shard_start : pc.shard_start + pc.numel])
+    return total
+
+
+def global_sumsq(
+    flats: list[FlatParam], grads: list[torch.Tensor], norm: NormReduction | None = None
+) -> float:
+    """Sum of squares of every reduced gradient, each parameter counted once. Communicates:
+    ``norm``'s all_reduces (one fp32 value per group splitting some parameter), then (optimizer
+    sharded) one all_reduce of one fp32 value over the dp group; with replicated optimizer
+    states every dp rank already has it."""
     if not flats:
         return 0.0
     local = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
-    for g in grads:  # a norm per buffer: no temporary copy of the squares
-        local += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+    for f, g in zip(flats, grads):
+        local += _local_sumsq(f, g, norm)
     f = flats[0]
+    t = local.to(f.device).reshape(1)
+    if norm is not None:
+        norm.reduce(t)
     if f.stage.shard_optimizer:
-        t = local.to(f.device).reshape(1)
         comm.all_reduce(t, op="sum", group=f.group)
-        return float(t[0])
-    return float(local)
+    return float(t[0])
 
 
 def sharded_step(
@@ -43,15 +65,17 @@ def sharded_step(
     optimizer: torch.optim.Optimizer,
     scaler: DynamicLossScaler,
     clip: float | None,
+    norm: NormReduction | None = None,
 ) -> StepResult:
-    """Unscale, clip, step and publish. An overflow (inf/nan anywhere, on any rank) skips the
-    step on every rank and lowers the loss scale."""
+    """Unscale, clip, step and publish. A non-finite gradient (inf/nan anywhere, on any rank)
+    skips the step on every rank (and, with loss scaling, lowers the scale); ``grad_norm`` then
+    says inf or nan. ``norm``: how the norm sums over groups other than dp (None: dp only)."""
     trainable = [f for f in flats if f.trainable]
     grads = [f.optimizer_grad() for f in trainable]
     scale = scaler.scale
-    sumsq = global_sumsq(trainable, grads)
-    if scaler.update(not math.isfinite(sumsq)):
-        return StepResult(False, float("inf"))
+    sumsq = global_sumsq(trainable, grads, norm)
+    if scaler.update(not math.isfinite(sumsq)) or not math.isfinite(sumsq):
+        return StepResult(False, float("nan") if math.isnan(sumsq) else float("inf"))
     norm = math.sqrt(sumsq) / scale
     coef = 1.0 / scale
     if clip is not None:

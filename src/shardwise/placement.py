@@ -1,0 +1,159 @@
+"""Where each parameter lives: which groups split it along a tensor dim, which hold copies.
+
+A parallel layer that shards a parameter (tensor parallelism splits a Linear's weight over the
+mesh's tp axis) says so once, from outside the model::
+
+    shard = nn.Parameter(full.chunk(tp_size, dim=0)[tp_rank].clone())
+    shardwise.placement.mark_sharded(shard, mesh.group("tp"), dim=0)
+
+The record lives in a table of our own keyed by the parameter object (weakly: it goes away with
+the parameter), never as an attribute on the ``nn.Parameter``. The engine reads it at
+``initialize``: ZeRO flattens and shards each rank's local parameters over the dp group on top
+of this, and the global gradient norm sums each parameter once over every axis
+(:class:`NormReduction`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from shardwise import comm
+from shardwise.comm.groups import Group
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A parameter split along tensor dim ``dim`` over ``group``: group rank i holds the i-th of
+    ``group.size`` equal pieces."""
+
+    group: Group
+    dim: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A parameter's layout over the process groups that hold it.
+
+    ``shards``: tensor-dim splits made by parallel layers (e.g. tp), in the order they were
+    marked. ``zero``: the group ZeRO flattens and shards it over (the engine's dp group; None
+    outside an engine). ``replicated``: mesh groups whose ranks hold identical copies of this
+    rank's local tensor (e.g. tp for a norm weight).
+    """
+
+    shards: tuple[Shard, ...] = ()
+    zero: Group | None = None
+    replicated: tuple[Group, ...] = ()
+
+    def is_sharded_over(self, group: Group) -> bool:
+        return any(s.group is group for s in self.shards)
+
+    def full_shape(self, local: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the whole parameter, from this rank's local shape."""
+        shape = list(local)
+        for s in self.shards:
+            shape[s.dim] *= s.group.size
+        return tuple(shape)
+
+    def offsets(self, local: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
+        """Where this rank's piece starts in the whole parameter, per tensor dim (splits over
+        several groups along one dim nest in marking order)."""
+        full = self.full_shape(local)
+        start, length = [0] * len(full), list(full)
+        for s in self.shards:
+            length[s.dim] //= s.group.size
+            start[s.dim] += s.group.rank * length[s.dim]
+        return tuple(start)
+
+
+_SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def mark_sharded(param: torch.Tensor, group: Group, dim: int) -> Placement:
+    """Record that ``param`` is this rank's piece of a tensor split along ``dim`` over
+    ``group`` (call it on every rank, right after creating the local piece and before
+    ``shardwise.initialize``). Marking the same group again replaces its dim; a parameter may be
+    split over several groups (one dim each). Returns the placement so far.
+
+    Raises:
+        TypeError: ``param`` is not a tensor or ``group`` not a ``shardwise.Group``.
+        ValueError: ``dim`` is out of range, or ``group`` has only this rank.
+    """
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(f"mark_sharded needs a parameter tensor, got {type(param).__name__}")
+    if not isinstance(group, Group):
+        raise TypeError(f"mark_sharded needs a shardwise.Group, got {type(group).__name__}")
+    if not isinstance(dim, int) or isinstance(dim, bool) or not -param.dim() <= dim < param.dim():
+        raise ValueError(
+            f"dim={dim!r} is out of range for a parameter of shape {tuple(param.shape)}"
+        )
+    if not group.is_member:
+        raise ValueError(f"this rank is not a member of {group}; mark only its own pieces")
+    dim %= param.dim()
+    kept = tuple(s for s in _SHARDS.get(param, ()) if s.group is not group)
+    shards = (*kept, Shard(group, dim))
+    _SHARDS[param] = shards
+    return Placement(shards)
+
+
+def unmark(param: torch.Tensor) -> None:
+    """Forget every split recorded for ``param`` (it is whole again)."""
+    _SHARDS.pop(param, None)
+
+
+def placement_of(param: torch.Tensor) -> Placement:
+    """The splits recorded for ``param`` (no ZeRO group: the engine adds that)."""
+    return Placement(_SHARDS.get(param, ()))
+
+
+class NormReduction:
+    """How this rank's part of the global gradient norm is summed over a mesh.
+
+    Every parameter must be counted exactly once. ZeRO's dp slices are summed by the caller
+    (``zero.step``). On top of that the squares are all-reduced over every other group that
+    splits some parameter (in first-seen order, the same on every rank): a parameter split over
+    a group is summed over it; a parameter not split over it holds the same values on each of
+    its ranks, so only the group's first rank counts it (no division: the sum stays exact and
+    every rank ends with the same bits). ``extra``: groups that split every parameter (the pp
+    axis: each stage holds its own layers).
+    """
+
+    def __init__(
+        self, params: list[torch.Tensor], dp: Group, extra: tuple[Group, ...] = ()
+    ) -> None:
+        groups: list[Group] = list(extra)
+        for p in params:
+            for s in placement_of(p).shards:
+                if all(s.group is not g for g in groups):
+                    groups.append(s.group)
+        for g in groups:
+            _check_orthogonal(g, dp)
+        self.groups = tuple(groups)
+        self._skipped: set[int] = set()  # ids of parameters another rank of some group counts
+        for p in params:
+            where = placement_of(p)
+            for g in groups:
+                split = where.is_sharded_over(g) or any(g is e for e in extra)
+                if not split and g.rank != 0:
+                    self._skipped.add(id(p))
+
+    def counts(self, param: torch.Tensor) -> bool:
+        """Whether this rank adds ``param``'s local squares before the reductions."""
+        return id(param) not in self._skipped
+
+    def reduce(self, sumsq: torch.Tensor) -> None:
+        """Sum ``sumsq`` (one fp32 value) over every group in turn. Communicates: one
+        all_reduce of 4 bytes per group."""
+        for g in self.groups:
+            comm.all_reduce(sumsq, op="sum", group=g)
+
+
+def _check_orthogonal(group: Group, dp: Group) -> None:
+    me = dp.ranks[dp.rank]
+    if set(group.ranks) & set(dp.ranks) != {me}:
+        raise ValueError(
+            f"a parameter is split over {group}, which shares ranks with the data-parallel "
+            f"group {dp}; a split group must be another mesh axis (e.g. mesh.group('tp'))"
+        )
