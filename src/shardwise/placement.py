@@ -27,10 +27,13 @@ from shardwise.comm.groups import Group
 @dataclass(frozen=True)
 class Shard:
     """A parameter split along tensor dim ``dim`` over ``group``: group rank i holds the i-th of
-    ``group.size`` equal pieces."""
+    ``group.size`` equal pieces. ``full_size``: the whole length along ``dim`` when the pieces
+    are padded at the end (a vocabulary that does not divide by the group size); None: the
+    pieces' total."""
 
     group: Group
     dim: int
+    full_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -55,27 +58,36 @@ class Placement:
         shape = list(local)
         for s in self.shards:
             shape[s.dim] *= s.group.size
+        for s in self.shards:  # padding is at the end of the whole dim
+            if s.full_size is not None:
+                shape[s.dim] = s.full_size
         return tuple(shape)
 
     def offsets(self, local: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
         """Where this rank's piece starts in the whole parameter, per tensor dim (splits over
         several groups along one dim nest in marking order)."""
-        full = self.full_shape(local)
-        start, length = [0] * len(full), list(full)
+        start, length = [0] * len(local), list(local)
+        for s in self.shards:
+            length[s.dim] *= s.group.size
         for s in self.shards:
             length[s.dim] //= s.group.size
             start[s.dim] += s.group.rank * length[s.dim]
-        return tuple(start)
+        full = self.full_shape(local)
+        return tuple(min(a, n) for a, n in zip(start, full))
 
 
 _SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def mark_sharded(param: torch.Tensor, group: Group, dim: int) -> Placement:
+def mark_sharded(
+    param: torch.Tensor, group: Group, dim: int, full_size: int | None = None
+) -> Placement:
     """Record that ``param`` is this rank's piece of a tensor split along ``dim`` over
     ``group`` (call it on every rank, right after creating the local piece and before
-    ``shardwise.initialize``). Marking the same group again replaces its dim; a parameter may be
-    split over several groups (one dim each). Returns the placement so far.
+    ``shardwise.initialize``). ``full_size``: the unpadded length of ``dim`` when the pieces
+    are zero-padded at the end (their gradients there must be zero). Marking the same group
+    again replaces its entry; a parameter may be split over several groups. Returns the
+    placement so far.
 
     Raises:
         TypeError: ``param`` is not a tensor or ``group`` not a ``shardwise.Group``.
@@ -92,8 +104,11 @@ def mark_sharded(param: torch.Tensor, group: Group, dim: int) -> Placement:
     if not group.is_member:
         raise ValueError(f"this rank is not a member of {group}; mark only its own pieces")
     dim %= param.dim()
+    most = param.shape[dim] * group.size
+    if full_size is not None and not (isinstance(full_size, int) and 0 < full_size <= most):
+        raise ValueError(f"full_size={full_size!r} must be an int in [1, {most}]")
     kept = tuple(s for s in _SHARDS.get(param, ()) if s.group is not group)
-    shards = (*kept, Shard(group, dim))
+    shards = (*kept, Shard(group, dim, full_size))
     _SHARDS[param] = shards
     return Placement(shards)
 

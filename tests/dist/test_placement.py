@@ -158,6 +158,12 @@ def _bad_marks_task():
     mark_sharded(p, mesh.group("tp"), dim=1)
     mark_sharded(p, mesh.group("tp"), dim=-2)  # marking the same group again replaces the dim
     assert placement_of(p).shards == (Shard(mesh.group("tp"), 0),)
+    vocab = nn.Parameter(torch.zeros(8, 4))  # 15 rows padded to 2 x 8
+    padded = mark_sharded(vocab, mesh.group("tp"), dim=0, full_size=15)
+    assert padded.full_shape((8, 4)) == (15, 4)
+    assert padded.offsets((8, 4)) == (8 * mesh.rank("tp"), 0)
+    with pytest.raises(ValueError, match=r"full_size=17 must be an int in \[1, 16\]"):
+        mark_sharded(vocab, mesh.group("tp"), dim=0, full_size=17)
     model = _model()
     mark_sharded(model.fc1.weight, mesh.group("dp", "tp"), dim=0)  # overlaps dp: refused
     with pytest.raises(ValueError, match="shares ranks with the data-parallel group"):
