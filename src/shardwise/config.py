@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
+import math
+import os
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -18,6 +23,21 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 REDUCE_DTYPES = (None, "fp32", "bf16", "fp16")
 RESUME = ("never", "auto")
 MiB = 1 << 20
+COUNT_MAX = 2**31 - 1
+"""Upper bound of every count (steps, sizes in items): larger is a typo, not a plan."""
+
+RANGES: dict[str, tuple[int, int]] = {
+    "micro_batch_size": (1, COUNT_MAX),
+    "gradient_accumulation_steps": (1, COUNT_MAX),
+    "reduce_bucket_bytes": (1, 1 << 40),
+    "prefetch_units": (0, 1024),
+    "seed": (0, 2**63 - 1),
+    "initial_loss_scale_power": (0, 63),
+    "loss_scale_window": (1, COUNT_MAX),
+    "checkpoint_every": (0, COUNT_MAX),
+    "keep_last": (1, COUNT_MAX),
+}
+"""Allowed [low, high] of the int fields (None, where a field allows it, is not checked)."""
 
 
 @dataclass(kw_only=True)
@@ -74,9 +94,17 @@ class Config:
     """Free-form values for the user's own scripts (not read by shardwise)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.checkpoint_dir, os.PathLike):
+            self.checkpoint_dir = os.fspath(self.checkpoint_dir)
         self.validate()
 
     def validate(self) -> None:
+        """Raise ``TypeError``/``ValueError`` naming the first field of a wrong type or out of
+        its range, and what it allows."""
+        for f in fields(self):
+            _check_type(f.name, getattr(self, f.name), _hints()[f.name])
+        for name, (low, high) in RANGES.items():
+            _check_range(name, getattr(self, name), low, high)
         _choice("zero_stage", self.zero_stage, (0, 1, 2, 3))
         _choice("precision", self.precision, PRECISIONS)
         _choice("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
@@ -94,13 +122,16 @@ class Config:
         if self.keep_last is not None:
             _positive_int("keep_last", self.keep_last)
         if self.gradient_clipping is not None and not (
-            isinstance(self.gradient_clipping, (int, float)) and self.gradient_clipping > 0
+            math.isfinite(self.gradient_clipping) and self.gradient_clipping > 0
         ):
             raise ValueError(
                 f"gradient_clipping must be a number > 0 or None, got {self.gradient_clipping!r}"
             )
-        if self.min_loss_scale <= 0:
-            raise ValueError(f"min_loss_scale must be > 0, got {self.min_loss_scale!r}")
+        if not (0 < self.min_loss_scale <= 2.0**self.initial_loss_scale_power):
+            raise ValueError(
+                f"min_loss_scale must be > 0 and at most the initial loss scale "
+                f"2**{self.initial_loss_scale_power}, got {self.min_loss_scale!r}"
+            )
         for name in ("wrap_policy", "activation_checkpointing"):
             value = getattr(self, name)
             if value is not None and (
@@ -133,23 +164,24 @@ class Config:
         p = Path(path)
         if not p.is_file():
             raise ValueError(f"config file {p} does not exist")
-        text = p.read_text()
         suffix = p.suffix.lower()
-        if suffix == ".json":
-            data = json.loads(text)
-        elif suffix == ".toml":
-            import tomllib
-
-            data = tomllib.loads(text)
-        elif suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        else:
+        if suffix not in (".json", ".toml", ".yaml", ".yml"):
             raise ValueError(f"config file {p} must end in .json, .toml, .yaml or .yml")
+        try:
+            data = _parse(p.read_text(encoding="utf-8"), suffix)
+        except (ValueError, UnicodeDecodeError) as exc:
+            detail = " ".join(str(exc).split())  # one line: parsers report over several
+            raise ValueError(
+                f"config file {p} is not valid {suffix[1:].upper()}: {detail}"
+            ) from exc
         if not isinstance(data, dict):
             raise ValueError(f"config file {p} must hold a mapping of keys to values")
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except ConfigTypeError as exc:
+            raise ConfigTypeError(f"config file {p}: {exc}") from exc
+        except ValueError as exc:
+            raise ValueError(f"config file {p}: {exc}") from exc
 
     def replace(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)
@@ -186,3 +218,79 @@ def _choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
 def _positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _parse(text: str, suffix: str) -> Any:
+    """The mapping in a config file's text; ``ValueError`` on a syntax error."""
+    if suffix == ".json":
+        return json.loads(text)
+    if suffix == ".toml":
+        import tomllib
+
+        return tomllib.loads(text)
+    import yaml
+
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(str(exc)) from exc
+
+
+class ConfigTypeError(TypeError, ValueError):
+    """A config value of the wrong type (a ``ValueError`` too, so one ``except`` catches every
+    bad value)."""
+
+
+@functools.cache
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(Config)
+
+
+def _is_a(value: Any, kind: Any) -> bool:
+    """``isinstance`` for the annotations Config uses; a bool is never an int or a float."""
+    origin = typing.get_origin(kind)
+    if kind is Any:
+        return True
+    if kind is type(None):
+        return value is None
+    if kind in (int, float) and isinstance(value, bool):
+        return False
+    if kind is float:
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    if origin is list:
+        (item,) = typing.get_args(kind)
+        return isinstance(value, list) and all(_is_a(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(isinstance(k, str) for k in value)
+    return isinstance(value, kind)
+
+
+def _describe(kind: Any) -> str:
+    names = {
+        int: "an int",
+        float: "a finite number",
+        bool: "true or false (a bool, not a string)",
+        str: "a string",
+        type(None): "None",
+    }
+    if typing.get_origin(kind) is list:
+        return "a list of module class names (strings)"
+    if typing.get_origin(kind) is dict:
+        return "a mapping with string keys"
+    return names.get(kind, getattr(kind, "__name__", str(kind)))
+
+
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    kinds = typing.get_args(hint) if union else (hint,)
+    if any(_is_a(value, k) for k in kinds):
+        return
+    allowed = " or ".join(_describe(k) for k in kinds)
+    raise ConfigTypeError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
+
+
+def _check_range(name: str, value: Any, low: int, high: int) -> None:
+    if value is None or low <= value <= high:
+        return
+    bound = f">= {low}" if high == COUNT_MAX else f"in {low}..{high}"
+    raise ValueError(f"{name} must be an int {bound}, got {value!r}")

@@ -182,4 +182,15 @@ class RunConfig:
     def read(cls, path: Path) -> RunConfig:
         if not path.is_file():
             raise ValueError(f"{path} does not exist: is this a shardwise train run directory?")
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(
+                f"{path} is not valid JSON ({exc}): restore it or start a new run"
+            ) from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} must hold a JSON object: restore it or start a new run")
+        try:
+            return cls.from_dict(data)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from exc
