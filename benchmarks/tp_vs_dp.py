@@ -55,7 +55,7 @@ def _batches(cfg: GPTConfig, seqs: int, steps: int) -> list[tuple[torch.Tensor, 
 
 
 def _build(system: str, cfg: GPTConfig) -> tuple[Any, Any, Any, int]:
-    """(step callable pieces): model-like, optimizer-like, finish, batch share index."""
+    """(model or engine, optimizer or engine, TensorParallel or None, batch share or -1)."""
     import shardwise
     from shardwise import tp as swtp
     from shardwise.mesh import Mesh
@@ -91,8 +91,7 @@ def run_rank(system: str, model_name: str, seqs: int, steps: int, warmup: int) -
             passes = {}
         else:
             loss.backward()
-            passes = comm.comm_stats()  # forward + backward, before the step's reductions
-            tp.finish_grads()
+            passes = comm.comm_stats()  # forward + backward
             opt.step()
             opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
@@ -108,14 +107,19 @@ def run_rank(system: str, model_name: str, seqs: int, steps: int, warmup: int) -
         "bytes": per_step[-1] if per_step else {},
         "fwd_bwd_bytes": fwd_bwd[-1] if fwd_bwd else {},
         "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "partial_grad_bytes": 0 if tp is None else 4 * sum(p.numel() for p in tp.partial_params()),
     }
 
 
-def _activation_check(cfg: GPTConfig, seqs: int, stats: dict[str, int], sp: bool) -> str:
+def _activation_check(
+    cfg: GPTConfig, seqs: int, stats: dict[str, int], sp: bool, partial_grad_bytes: int
+) -> str:
     """Layer activation traffic per device vs Megatron's 8bsh(t-1)/t elements per layer."""
     t, h, tokens = 2, cfg.d_model, seqs * cfg.seq_len
     bsh_bytes = tokens * h * 4
-    loss_bytes = 3 * tokens * 4  # the vocab-parallel loss: 3 all_reduces of b*s
+    # the vocab-parallel loss (3 all_reduces of b*s) and, under SP, the gradients of the
+    # replicated parameters used on 1/tp of the sequence
+    loss_bytes = 3 * tokens * 4 + partial_grad_bytes
     # outside the layers: the embedding (fwd) and the head's input (bwd), one b*s*h each way
     if sp:  # embedding RS fwd + AG bwd, head AG fwd + RS bwd
         outside = {"all_gather": 2 * bsh_bytes, "reduce_scatter": 2 * bsh_bytes}
@@ -145,7 +149,8 @@ def _report(system: str, cfg: GPTConfig, seqs: int, results: list[dict]) -> dict
     }
     if system != "dp2":
         fb = results[0]["fwd_bwd_bytes"]
-        row["activation_traffic"] = _activation_check(cfg, seqs, fb, system == "tp2sp")
+        partial = results[0]["partial_grad_bytes"]
+        row["activation_traffic"] = _activation_check(cfg, seqs, fb, system == "tp2sp", partial)
     return row
 
 

@@ -2,7 +2,7 @@
 
     tp = shardwise.tp.parallelize(model, mesh, shardwise.models.gpt.tp_plan(),
                                   sequence_parallel=True)
-    loss = model(x, y); loss.backward(); tp.finish_grads(); optimizer.step()
+    loss = model(x, y); loss.backward(); optimizer.step()
 
 Parallel layers are explicit autograd functions over ``shardwise.comm``: every byte is counted.
 """

@@ -49,6 +49,11 @@ def _reduce_scatter_dim(t: torch.Tensor, dim: int, group: Group) -> torch.Tensor
     return out.movedim(0, dim)
 
 
+def all_reduce_grad(grad: torch.Tensor, group: Group) -> torch.Tensor:
+    """A gradient hook: the sum over ``group`` of this backward's gradient (a new tensor)."""
+    return _all_reduce(grad.clone(memory_format=torch.contiguous_format), group)
+
+
 def _my_slice(t: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     n = t.shape[dim]
     if n % group.size:

@@ -8,13 +8,13 @@ slice of the sequence when sequence parallelism is on.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from shardwise import comm
 from shardwise.mesh import Mesh
 from shardwise.tp import mappings, rng, state
 from shardwise.tp.layers import (
@@ -28,8 +28,8 @@ from shardwise.tp.plan import resolve
 
 
 class TensorParallel:
-    """What ``parallelize`` did to a model: each parameter's placement over tp, and the steps a
-    training loop owes tensor parallelism (``finish_grads`` before the optimizer step)."""
+    """What ``parallelize`` did to a model: each parameter's placement over tp, full state
+    dicts, and this rank's dropout stream for tp-sharded regions."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, sequence_parallel: bool) -> None:
         self.model = model
@@ -73,22 +73,19 @@ class TensorParallel:
 
     def _replicate(self, param: nn.Parameter, name: str, partial: bool) -> None:
         p = TPPlacement(name, tuple(param.shape), None, self.tp_size, self.tp_rank, partial)
+        fresh = id(param) not in self._by_id
         self._place(param, p, name)
+        if fresh and partial and self.tp_size > 1 and param.requires_grad:
+            # Sum over tp each backward's gradient before it is accumulated: every tp rank
+            # then holds the full gradient, whatever accumulates or reduces it next (a plain
+            # optimizer, ZeRO over dp, a pipeline stage, gradient accumulation).
+            param.register_hook(functools.partial(mappings.all_reduce_grad, group=self.group))
 
     # ---- training-loop duties -----------------------------------------------------------
     def partial_params(self) -> list[nn.Parameter]:
-        """Replicated parameters whose gradients are partial sums over tp (under SP)."""
+        """Replicated parameters used on 1/tp of the sequence (under SP): each backward
+        all-reduces their gradient over tp before accumulating it (one all_reduce each)."""
         return [p for p in self.model.parameters() if self._by_id[id(p)].partial]
-
-    def finish_grads(self) -> None:
-        """All-reduce (sum) over tp the gradients of the partial parameters, so every tp rank
-        holds the same full gradient. Call once per optimizer step, after the last backward.
-
-        Communicates: one all_reduce over tp per dtype (the partial gradients, coalesced).
-        """
-        grads = [p.grad for p in self.partial_params() if p.grad is not None]
-        if grads and self.tp_size > 1:
-            comm.all_reduce_coalesced(grads, op="sum", group=self.group)
 
     # ---- full (unsharded) state ---------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -200,7 +197,10 @@ def parallelize(
         sequence_parallel: run ``sequence`` modules on 1/tp of the sequence (dim 1 of
             ``[batch, seq, hidden]`` activations); the sequence length must divide by tp.
 
-    Returns the ``TensorParallel`` record (placements, ``finish_grads``, full state dicts).
+    Returns the ``TensorParallel`` record (placements, full state dicts). Under sequence
+    parallelism the replicated parameters of ``sequence`` modules and the row-parallel biases
+    see 1/tp of the tokens: a gradient hook all-reduces each one's gradient over tp in every
+    backward, so nothing is owed at step time.
     Raises ``ValueError``/``TypeError`` naming the module for a pattern matching nothing, a
     dimension that does not divide by tp (other than a vocabulary), or a module whose type does
     not fit its style. Communicates nothing.

@@ -4,7 +4,7 @@ A parameter is either sharded over tp along one dim (each rank holds ``ceil(n / 
 that dim; a vocabulary that does not divide by tp is zero-padded at the end, the padding never
 leaves this package) or replicated over tp. A replicated parameter used inside a
 sequence-parallel region sees only this rank's slice of the sequence, so its gradient is a
-partial sum that must be all-reduced over tp before the optimizer step (``partial=True``).
+partial sum that is all-reduced over tp in backward (``partial=True``).
 """
 
 from __future__ import annotations
