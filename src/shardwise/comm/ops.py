@@ -5,6 +5,7 @@ what gloo has.
 
 from __future__ import annotations
 
+import datetime
 import pickle
 import time
 from collections.abc import Callable, Sequence
@@ -64,6 +65,13 @@ class Handle:
     def is_completed(self) -> bool:
         return self._done or all(w is None or w.is_completed() for w in self._works)
 
+    def _wait_timeout(self) -> tuple[datetime.timedelta, ...]:
+        """gloo bounds its collectives by the group's timeout, but waits for a point-to-point
+        message forever unless the wait itself is given one."""
+        if self._op in ("send", "recv"):
+            return (datetime.timedelta(seconds=self._group.timeout_s),)
+        return ()
+
     def wait(self) -> Any:
         if self._done:
             return self._result
@@ -71,7 +79,7 @@ class Handle:
         try:
             for w in self._works:
                 if w is not None:
-                    w.wait()
+                    w.wait(*self._wait_timeout())
         except Exception as exc:  # the transport's error: write the trace, say what hung
             raise trace.fail(self._entry, self._group.timeout_s, exc) from exc
         self._result = self._finish()

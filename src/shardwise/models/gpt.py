@@ -247,6 +247,29 @@ class GPT(nn.Module):
             return parallel_loss(logits, targets)
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
+    def pipeline_layers(self) -> list[object]:
+        """This model as a flat list of pipeline layers for ``shardwise.pipeline.PipelineModule``:
+        the token embedding, positions (+ dropout), the blocks, the final norm and the head. The
+        head and the token embedding are one ``Tied("tok_emb")`` entry, so the first and last
+        stage keep bitwise-equal copies. The stages output logits; the matching loss is
+        ``F.cross_entropy(logits.flatten(0, 1), targets.flatten())``."""
+        from shardwise.pipeline import LayerFn, Tied
+
+        def add_positions(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            pos = torch.arange(x.shape[1], device=x.device)
+            return layer.drop(x + layer.pos_emb(pos))  # [batch, seq, d_model]
+
+        def head(emb: nn.Module, h: torch.Tensor) -> torch.Tensor:
+            return F.linear(h, emb.weight)  # [batch, seq, vocab_size]
+
+        return [
+            Tied("tok_emb", self.tok_emb),
+            LayerFn(add_positions, pos_emb=self.pos_emb, drop=self.drop),
+            *self.blocks,
+            self.ln_f,
+            Tied("tok_emb", self.tok_emb, forward_fn=head),
+        ]
+
     @torch.no_grad()
     def generate(
         self,

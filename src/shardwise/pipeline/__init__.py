@@ -1,15 +1,30 @@
 """Pipeline parallelism: schedules as data, a simulator on them, stages and an executor."""
 
-from shardwise.pipeline.schedule import SCHEDULES, Action, Kind, Schedule, build_schedule
+from shardwise.pipeline.executor import PipelineExecutor
+from shardwise.pipeline.schedule import (
+    SCHEDULES,
+    Action,
+    Kind,
+    Schedule,
+    build_schedule,
+    schedule_from_compute,
+)
 from shardwise.pipeline.simulate import ScheduleError, SimResult, simulate
+from shardwise.pipeline.stage import LayerFn, LayerSpec, PipelineModule, Tied
 
 __all__ = [
     "SCHEDULES",
     "Action",
     "Kind",
+    "LayerFn",
+    "LayerSpec",
+    "PipelineExecutor",
+    "PipelineModule",
     "Schedule",
     "ScheduleError",
     "SimResult",
+    "Tied",
     "build_schedule",
+    "schedule_from_compute",
     "simulate",
 ]

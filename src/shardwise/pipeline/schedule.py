@@ -163,6 +163,17 @@ def _zb_h1(pp_size: int, microbatches: int, rank: int) -> list[Action]:
     return out
 
 
+def schedule_from_compute(
+    name: str, compute: list[list[Action]], microbatches: int, virtual_stages: int = 1
+) -> Schedule:
+    """A schedule from each rank's compute order (F/B or F/I/W actions); the sends and receives
+    are derived. Check it with ``simulate`` (the executor does before running it)."""
+    pp_size = len(compute)
+    full = _with_messages(compute, pp_size, pp_size * virtual_stages)
+    rows = tuple(tuple(acts) for acts in full)
+    return Schedule(name, pp_size, virtual_stages, microbatches, rows)
+
+
 def _with_messages(
     compute: list[list[Action]], pp_size: int, num_stages: int
 ) -> list[list[Action]]:
@@ -235,7 +246,4 @@ def build_schedule(name: str, pp_size: int, microbatches: int, virtual_stages: i
         compute = [_interleaved(pp_size, microbatches, r, virtual_stages) for r in range(pp_size)]
     else:
         compute = [_GENERATORS[name](pp_size, microbatches, r) for r in range(pp_size)]
-    full = _with_messages(compute, pp_size, pp_size * virtual_stages)
-    return Schedule(
-        name, pp_size, virtual_stages, microbatches, tuple(tuple(acts) for acts in full)
-    )
+    return schedule_from_compute(name, compute, microbatches, virtual_stages)

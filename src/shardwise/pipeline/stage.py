@@ -1,0 +1,258 @@
+"""A model split into pipeline stages: each pp rank builds and holds only its own layers.
+
+``layers`` is the model as a flat list run in order; an entry is a module, a ``LayerSpec``
+(built only on the stage that owns it, so a model too big for one rank never exists whole) or a
+``Tied`` entry (one module used at several places, e.g. the input embedding and the output
+head, whose copies on different stages stay bitwise equal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise import comm
+from shardwise.mesh import Mesh
+from shardwise.pipeline.partition import partition_layers
+
+
+class LayerSpec:
+    """A layer described, not built: ``LayerSpec(nn.Linear, 16, 16)`` builds
+    ``nn.Linear(16, 16)`` on the stage that owns it."""
+
+    def __init__(self, cls: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> None:
+        if not callable(cls):
+            raise TypeError(f"LayerSpec needs a module class or factory, got {cls!r}")
+        self.cls, self.args, self.kwargs = cls, args, kwargs
+
+    def build(self, seed: int | None = None) -> nn.Module:
+        """Build the module; with ``seed``, its initialisation draws from ``torch.manual_seed(
+        seed)`` without touching the caller's random state."""
+        if seed is None:
+            return self._make()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self._make()
+
+    def _make(self) -> nn.Module:
+        module = self.cls(*self.args, **self.kwargs)
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"LayerSpec({self.cls!r}) built {type(module).__name__}, not a Module")
+        return module
+
+    def count_parameters(self) -> int:
+        """Parameter count, built on the meta device (no memory)."""
+        with torch.device("meta"):
+            return sum(p.numel() for p in self._make().parameters())
+
+    def __repr__(self) -> str:
+        return f"LayerSpec({getattr(self.cls, '__name__', self.cls)})"
+
+
+class LayerFn(nn.Module):
+    """A layer made of named modules and a function: ``LayerFn(fn, pos=emb)`` runs
+    ``fn(self, x)`` where ``self.pos`` is ``emb`` (its parameters belong to this layer)."""
+
+    def __init__(
+        self, fn: Callable[[nn.Module, torch.Tensor], torch.Tensor], **modules: nn.Module
+    ) -> None:
+        super().__init__()
+        self.fn = fn
+        for name, module in modules.items():
+            self.add_module(name, module)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(self, x)
+
+
+class Tied:
+    """One module used at several places of ``layers`` under one ``key``; each stage holding an
+    occurrence keeps a copy, gradients are summed over the holders before the step.
+
+    ``forward_fn(module, x)`` replaces ``module(x)`` at this occurrence, e.g. the output head
+    ``Tied("embed", emb, forward_fn=lambda emb, h: h @ emb.weight.t())``.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        module_or_spec: nn.Module | LayerSpec,
+        forward_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"Tied key must be a non-empty str, got {key!r}")
+        if not isinstance(module_or_spec, (nn.Module, LayerSpec)):
+            raise TypeError(
+                f"Tied({key!r}) needs a module or LayerSpec, got {type(module_or_spec).__name__}"
+            )
+        self.key, self.source, self.forward_fn = key, module_or_spec, forward_fn
+
+
+Entry = nn.Module | LayerSpec | Tied
+
+
+def _param_count(entry: Entry) -> int:
+    source = entry.source if isinstance(entry, Tied) else entry
+    if isinstance(source, LayerSpec):
+        return source.count_parameters()
+    return sum(p.numel() for p in source.parameters())
+
+
+def _build(source: nn.Module | LayerSpec, seed: int | None) -> nn.Module:
+    return source.build(seed) if isinstance(source, LayerSpec) else source
+
+
+class PipelineModule(nn.Module):
+    """The layers of this pp rank's stages (``virtual_stages`` chunks per rank, stage ``s`` on
+    pp rank ``s % pp``).
+
+    Args:
+        layers: the model in order (modules, ``LayerSpec``s, ``Tied`` entries).
+        loss_fn: ``loss_fn(output, target)`` -> the mean loss of one micro-batch.
+        mesh: the process mesh; stages go along its ``pp`` axis.
+        partition: ``"parameters"`` (balance parameter counts), ``"uniform"`` (balance layer
+            counts) or the list of cut indices (``pp * virtual_stages - 1`` increasing indices
+            into ``layers`` where a new stage starts).
+        virtual_stages: chunks per rank (for the interleaved schedule).
+        seed: build layer ``i`` from ``LayerSpec`` under seed ``seed + i`` (a tied module under
+            its first index) so the split model starts as the whole one would.
+
+    Communicates at construction: forms one group per tied key and (dp, tp) coordinate (all
+    ranks, collectively) and broadcasts each tied module from its first holder.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[Entry],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        mesh: Mesh,
+        partition: str | Sequence[int] = "parameters",
+        *,
+        virtual_stages: int = 1,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        entries = list(layers)
+        for i, e in enumerate(entries):
+            if not isinstance(e, (nn.Module, LayerSpec, Tied)):
+                raise TypeError(
+                    f"layers[{i}] is {type(e).__name__}; allowed: nn.Module, LayerSpec, Tied"
+                )
+        if not callable(loss_fn):
+            raise TypeError("loss_fn must be callable: loss_fn(output, target) -> loss")
+        self.mesh, self.loss_fn, self.virtual_stages = mesh, loss_fn, virtual_stages
+        self.pp_size, self.pp_rank = mesh.pp_size, mesh.rank("pp")
+        self.pp_group = mesh.group("pp")
+        self.num_stages = self.pp_size * virtual_stages
+        self.bounds = partition_layers(
+            [_param_count(e) for e in entries], self.num_stages, partition
+        )
+        self.stage_ids = list(range(self.pp_rank, self.num_stages, self.pp_size))
+        self._entries = entries
+        self.layers = nn.ModuleDict()
+        self.tied = nn.ModuleDict()
+        self._tied_first: dict[str, int] = {}
+        for i, e in enumerate(entries):
+            if isinstance(e, Tied):
+                self._tied_first.setdefault(e.key, i)
+        for stage in self.stage_ids:
+            for i in range(self.bounds[stage], self.bounds[stage + 1]):
+                self._build_entry(i, seed)
+        self._tied_groups = self._form_tied_groups()
+        self._broadcast_tied()
+
+    def _build_entry(self, i: int, seed: int | None) -> None:
+        e = self._entries[i]
+        if isinstance(e, Tied):
+            if e.key not in self.tied:
+                first = self._tied_first[e.key]
+                self.tied[e.key] = _build(e.source, None if seed is None else seed + first)
+        else:
+            self.layers[str(i)] = _build(e, None if seed is None else seed + i)
+
+    def stage_of_layer(self, i: int) -> int:
+        return next(s for s in range(self.num_stages) if self.bounds[s] <= i < self.bounds[s + 1])
+
+    def tied_holders(self, key: str) -> list[int]:
+        """pp ranks holding ``key``, lowest first (the first holds the saved copy)."""
+        stages = {
+            self.stage_of_layer(i)
+            for i, e in enumerate(self._entries)
+            if isinstance(e, Tied) and e.key == key
+        }
+        return sorted({s % self.pp_size for s in stages})
+
+    def _form_tied_groups(self) -> dict[str, comm.Group]:
+        """Every rank forms every tied group (torch's rule), in the same order."""
+        mine: dict[str, comm.Group] = {}
+        me = self.mesh.coords
+        for key in sorted(self._tied_first):
+            holders = self.tied_holders(key)
+            if len(holders) < 2:
+                continue
+            for dp in range(self.mesh.dp_size):
+                for tp in range(self.mesh.tp_size):
+                    ranks = [self.mesh.rank_of(pp, dp, tp) for pp in holders]
+                    g = comm.new_group(ranks, name=f"tied-{key}")
+                    if (dp, tp) == (me["dp"], me["tp"]) and self.pp_rank in holders:
+                        mine[key] = g
+        return mine
+
+    def _broadcast_tied(self) -> None:
+        for key, g in self._tied_groups.items():
+            with torch.no_grad():
+                for p in self.tied[key].parameters():
+                    comm.broadcast(p.data, src=g.ranks[0], group=g)
+
+    def reduce_tied_grads(self) -> None:
+        """Sum each tied module's gradients over its holders (one all_reduce per key)."""
+        for key, g in self._tied_groups.items():
+            params = list(self.tied[key].parameters())
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            comm.all_reduce_coalesced([p.grad for p in params], op="sum", group=g)
+
+    def forward_stage(self, stage: int, x: torch.Tensor) -> torch.Tensor:
+        """Run ``x`` through the layers of ``stage`` (one of this rank's)."""
+        if stage not in self.stage_ids:
+            raise ValueError(f"stage {stage} is not on pp rank {self.pp_rank} ({self.stage_ids})")
+        for i in range(self.bounds[stage], self.bounds[stage + 1]):
+            e = self._entries[i]
+            if isinstance(e, Tied):
+                module = self.tied[e.key]
+                x = e.forward_fn(module, x) if e.forward_fn is not None else module(x)
+            else:
+                x = self.layers[str(i)](x)
+        return x
+
+    def stage_parameters(self, stage: int) -> list[nn.Parameter]:
+        """The parameters ``stage`` uses (a tied module's once)."""
+        modules: dict[int, nn.Module] = {}
+        for i in range(self.bounds[stage], self.bounds[stage + 1]):
+            e = self._entries[i]
+            m = self.tied[e.key] if isinstance(e, Tied) else self.layers[str(i)]
+            modules[id(m)] = m
+        seen: dict[int, nn.Parameter] = {}
+        for m in modules.values():
+            for p in m.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "a PipelineModule runs through a schedule: use shardwise.pipeline.PipelineExecutor "
+            "(or forward_stage for one stage)"
+        )
+
+    def stage_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's weights under the whole model's names: ``layers.{i}.{name}`` by index in
+        ``layers``, ``tied.{key}.{name}`` only on the tied module's first holder (stored once)."""
+        out = {f"layers.{k}": v for k, v in self.layers.state_dict().items()}
+        for key, module in self.tied.items():
+            if self.tied_holders(key)[0] == self.pp_rank:
+                out.update({f"tied.{key}.{k}": v for k, v in module.state_dict().items()})
+        return out
