@@ -54,4 +54,4 @@ def run_topology(args: argparse.Namespace) -> int:
             target += [f"--{flag}", os.path.abspath(getattr(args, flag))]
     if args.nproc_per_node > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return launch(args, target)
+    return launch(args, target, command="topology").code
