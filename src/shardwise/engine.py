@@ -35,6 +35,7 @@ from shardwise.engine_build import (
     check_same_structure,
     resolve_group,
 )
+from shardwise.engine_checkpoint import EngineCheckpoints
 from shardwise.engine_memory import memory_report
 from shardwise.mesh import Mesh
 from shardwise.placement import NormReduction, Placement, placement_of
@@ -273,27 +274,16 @@ class Engine:
         with param_access.gathered_parameters(self.flats, params, modifier_rank):
             yield
 
-    # ---- checkpoints (see shardwise.checkpoint.engine_state) ----
-    #
-    # The training loop drives them; step() never saves by itself:
-    #
-    #     engine.resume(sampler=sampler)           # resume="auto": newest valid checkpoint
-    #     while engine.global_step < steps:
-    #         ...forward / backward...
-    #         if engine.step():
-    #             engine.maybe_save(sampler=sampler)  # every config.checkpoint_every steps
-    #     engine.wait_for_checkpoint()              # async saves: before the process exits
+    # ---- checkpoints (see shardwise.engine_checkpoint) ----
 
-    _ckpt_writer: Any = None  # AsyncCheckpointWriter, made on the first async save
-    _last_saved_step: int | None = None
+    _ckpt: EngineCheckpoints | None = None
 
-    def _checkpoint_root(self, path: str | Path | None) -> Path:
-        root = path if path is not None else self.config.checkpoint_dir
-        if root is None:
-            raise ValueError(
-                "no checkpoint directory: pass path= or set Config(checkpoint_dir=...)"
-            )
-        return Path(root)
+    @property
+    def checkpoints(self) -> EngineCheckpoints:
+        """This engine's checkpoint state: its background writer and last saved step."""
+        if self._ckpt is None:
+            self._ckpt = EngineCheckpoints(self)
+        return self._ckpt
 
     def save(
         self,
@@ -313,75 +303,43 @@ class Engine:
         background thread while training goes on (the first async save forms the writer's
         process group: every rank must make it together); ``wait_for_checkpoint()`` blocks
         until it is committed. Returns the checkpoint's path. Communicates: see
-        ``shardwise.checkpoint.engine_state.save_engine``.
+        ``shardwise.engine_checkpoint.save_engine``.
         """
-        from shardwise.checkpoint import AsyncCheckpointWriter
-        from shardwise.checkpoint.engine_state import save_engine
-
-        root = self._checkpoint_root(path)
-        writer = None
-        if self.config.async_save:
-            if self._ckpt_writer is None or self._ckpt_writer.root != root:
-                self.wait_for_checkpoint()
-                self._ckpt_writer = AsyncCheckpointWriter(root, keep_last=self.config.keep_last)
-            writer = self._ckpt_writer
-        out = save_engine(self, root, sampler=sampler, extra=extra, async_writer=writer)
-        self._last_saved_step = self.global_step
-        return out
+        return self.checkpoints.save(path, sampler=sampler, extra=extra)
 
     def maybe_save(self, *, sampler: Any = None) -> Path | None:
         """Save when ``global_step`` is a positive multiple of ``config.checkpoint_every`` and
         was not saved yet (call it after every ``step()``, on every rank); else do nothing.
         Returns the checkpoint's path, or None."""
-        every = self.config.checkpoint_every
-        step = self.global_step
-        if not every or step == 0 or step % every or step == self._last_saved_step:
-            return None
-        return self.save(sampler=sampler)
+        return self.checkpoints.maybe_save(sampler=sampler)
 
     def load(self, path: str | Path = "latest", *, sampler: Any = None) -> dict[str, Any]:
         """Load a checkpoint into this engine (any world size, stage or precision may have
         written it); call on every rank. ``path``: ``"latest"`` (newest committed in
         ``config.checkpoint_dir``), a checkpoint root, or a ``step-N`` directory. Verifies every
         file first and raises ``CheckpointError`` naming a damaged one. Returns the trainer
-        state. Communicates: see ``shardwise.checkpoint.engine_state.load_engine``."""
-        from shardwise.checkpoint.engine_state import load_engine
-
-        self.wait_for_checkpoint()
-        root = self._checkpoint_root(None if path == "latest" else path)
-        state = load_engine(self, root, sampler=sampler)
-        self._last_saved_step = self.global_step
-        return state
+        state. Communicates: see ``shardwise.engine_checkpoint.load_engine``."""
+        return self.checkpoints.load(path, sampler=sampler)
 
     def resume(self, *, sampler: Any = None) -> dict[str, Any] | None:
         """``config.resume == "auto"``: load the newest checkpoint in ``config.checkpoint_dir``
-        that verifies, skipping damaged ones with a warning that names each and why; no
-        checkpoint: log it and start fresh. ``"never"``: do nothing. Call on every rank before
-        training. Returns the trainer state, or None when nothing was loaded."""
-        from shardwise.checkpoint.engine_state import resume_engine
-
-        if self.config.resume != "auto":
-            return None
-        state = resume_engine(self, self._checkpoint_root(None), sampler=sampler)
-        if state is not None:
-            self._last_saved_step = self.global_step
-        return state
+        that verifies, skipping damaged ones with a warning that names each and why and setting
+        them aside (``damaged-step-N``); no checkpoint: log it and start fresh. ``"never"``: do
+        nothing. Call on every rank before training. Returns the trainer state, or None when
+        nothing was loaded. Communicates: see ``shardwise.engine_checkpoint.resume_engine``."""
+        return self.checkpoints.resume(sampler=sampler)
 
     def wait_for_checkpoint(self) -> Path | None:
         """Block until the pending background save is committed (raising its error); returns
         the last committed path of the async writer (None if it never saved)."""
-        if self._ckpt_writer is None:
-            return None
-        return self._ckpt_writer.wait()
+        return self.checkpoints.wait()
 
     def load_full_state(self, path_or_state_dict: str | Path | dict[str, torch.Tensor]) -> None:
         """Start from full model weights: a state dict, a ``.safetensors`` file (e.g. from
         ``shardwise checkpoint export``), a ``torch.save`` file or a checkpoint directory; call
         on every rank right after ``initialize``. Optimizer states are untouched (empty).
         Communicates nothing."""
-        from shardwise.checkpoint.engine_state import load_pretrained
-
-        load_pretrained(self, path_or_state_dict)
+        self.checkpoints.load_full_state(path_or_state_dict)
 
 
 def initialize(

@@ -137,7 +137,7 @@ class _Capture(logging.Handler):
         self.lines.append(f"{record.levelname} {record.getMessage()}")
 
 
-DAMAGED_FILE = {"flip": "shard-00001-of-00002.safetensors", "delete": "rank-00001.pkl",
+DAMAGED_FILE = {"flip": "shard-00001-of-00002.safetensors", "delete": "rank-00001.safetensors",
                 "truncate": "manifest.json"}
 
 

@@ -18,6 +18,7 @@ from shardwise.checkpoint import (
     AsyncCheckpointWriter,
     CheckpointReader,
     ShardEntry,
+    entries_of_flat_range,
     find_latest_valid,
     resolve,
     save_checkpoint,
@@ -70,7 +71,7 @@ def _rank_entries(step: int) -> list[ShardEntry]:
     for name, t in _full(step).items():
         flat = t.reshape(-1)
         for lo, hi in _rank_ranges(name, flat.numel(), rank, world):
-            out.append(ShardEntry(name, tuple(t.shape), lo, flat[lo:hi].clone()))
+            out += entries_of_flat_range(name, tuple(t.shape), lo, flat[lo:hi].clone())
     return out
 
 

@@ -20,6 +20,7 @@ from shardwise.checkpoint import (
     CheckpointReader,
     ShardEntry,
     delete_checkpoint,
+    entries_of_flat_range,
     export_consolidated,
     find_latest_valid,
     inspect,
@@ -32,6 +33,7 @@ from shardwise.checkpoint.journal import Journal, encode_record
 from shardwise.checkpoint.layout import JOURNAL_NAME, MANIFEST_NAME, step_dir_name, tmp_dir_name
 
 SHARD = "shard-00000-of-00001.safetensors"
+RANK_FILE = "rank-00000.safetensors"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -58,7 +60,7 @@ def _entries(full: dict[str, torch.Tensor], cuts: int = 3) -> list[ShardEntry]:
         flat = t.reshape(-1)
         bounds = sorted({0, flat.numel(), *[flat.numel() * k // (cuts + 1) for k in (1, 3)]})
         for lo, hi in itertools.pairwise(bounds):
-            out.append(ShardEntry(name, tuple(t.shape), lo, flat[lo:hi].clone()))
+            out += entries_of_flat_range(name, tuple(t.shape), lo, flat[lo:hi].clone())
     return out
 
 
@@ -77,7 +79,7 @@ def _flip_byte(path: Path, offset: int) -> None:
 def test_round_trip(tmp_path: Path) -> None:
     path = _save(tmp_path, 7)
     assert path == tmp_path / "step-00000007"
-    assert sorted(p.name for p in path.iterdir()) == [MANIFEST_NAME, "rank-00000.pkl", SHARD]
+    assert sorted(p.name for p in path.iterdir()) == [MANIFEST_NAME, RANK_FILE, SHARD]
     report = verify(path)
     assert (report.step, report.world_size, report.num_files) == (7, 1, 2)
     with CheckpointReader(tmp_path) as reader:
@@ -89,9 +91,19 @@ def test_round_trip(tmp_path: Path) -> None:
             assert got.dtype == t.dtype and torch.equal(got, t)
         assert reader.trainer_state == {"global_step": 7, "lr": 0.1}
         assert reader.rank_state(0) == {"rng": 7}
-        assert reader.manifest.format_version == 1
+        assert reader.manifest.format_version == 2
         pieces = reader.manifest.tensors["model/embed.weight"].pieces
-        assert len(pieces) == 3 and pieces[1].key == f"model/embed.weight@{pieces[1].start}"
+        # flat ranges [0, 5), [5, 15), [15, 20) of a 5x4 tensor: 2 + 3 + 2 boxes
+        assert [(p.offsets, p.shape) for p in pieces] == [
+            ((0, 0), (1, 4)),
+            ((1, 0), (1, 1)),
+            ((1, 1), (1, 3)),
+            ((2, 0), (1, 4)),
+            ((3, 0), (1, 3)),
+            ((3, 3), (1, 1)),
+            ((4, 0), (1, 4)),
+        ]
+        assert all(p.key == f"model/embed.weight@{p.offsets[0]},{p.offsets[1]}" for p in pieces)
     doc = json.loads((path / MANIFEST_NAME).read_text())
     assert doc["files"][SHARD]["sha256"] and doc["step"] == 7 and doc["world_size"] == 1
     records = [
@@ -119,19 +131,22 @@ def test_read_range_across_pieces(tmp_path: Path) -> None:
         ("gap", r"elements \[3, 5\) are held by no rank"),
         ("overlap", "overlap"),
         ("shape", "every rank must describe the same full tensor"),
-        ("not_1d", "must be 1-D"),
-        ("outside", r"must lie within \[0, 6\)"),
+        ("dims", "one offset and one tensor dim per dim"),
+        ("outside", r"must lie within global_shape \(6,\)"),
     ],
 )
 def test_coverage_errors(tmp_path: Path, case: str, match: str) -> None:
     _save(tmp_path, 1)
     t = torch.arange(6.0)
     entries = {
-        "gap": [ShardEntry("w", (6,), 0, t[:3]), ShardEntry("w", (6,), 5, t[5:])],
-        "overlap": [ShardEntry("w", (6,), 0, t[:4]), ShardEntry("w", (6,), 3, t[3:])],
-        "shape": [ShardEntry("w", (6,), 0, t[:3]), ShardEntry("w", (2, 3), 3, t[3:])],
-        "not_1d": [ShardEntry("w", (2, 3), 0, t.reshape(2, 3))],
-        "outside": [ShardEntry("w", (6,), 4, t[:4])],
+        "gap": [ShardEntry("w", (6,), (0,), t[:3]), ShardEntry("w", (6,), (5,), t[5:])],
+        "overlap": [ShardEntry("w", (6,), (0,), t[:4]), ShardEntry("w", (6,), (3,), t[3:])],
+        "shape": [
+            ShardEntry("w", (6,), (0,), t[:3]),
+            ShardEntry("w", (2, 3), (1, 0), t[3:].reshape(1, 3)),
+        ],
+        "dims": [ShardEntry("w", (6,), (0,), t.reshape(2, 3))],
+        "outside": [ShardEntry("w", (6,), (4,), t[:4])],
     }[case]
     with pytest.raises(ValueError, match=match):
         save_checkpoint(tmp_path, 2, entries, {}, None)
@@ -154,10 +169,10 @@ def test_flipped_byte_in_shard_is_refused(tmp_path: Path) -> None:
 
 def test_missing_file_is_refused(tmp_path: Path) -> None:
     path = _save(tmp_path, 3)
-    (path / "rank-00000.pkl").unlink()
+    (path / RANK_FILE).unlink()
     with pytest.raises(CheckpointError, match="file is missing") as info:
         verify(path)
-    assert info.value.path == path / "rank-00000.pkl"
+    assert info.value.path == path / RANK_FILE
 
 
 def test_truncated_manifest_is_refused(tmp_path: Path) -> None:
@@ -276,10 +291,10 @@ def test_interrupted_save_leftovers(tmp_path: Path) -> None:
 
 
 def test_bad_trainer_state_and_rank_state(tmp_path: Path) -> None:
-    entries = [ShardEntry("w", (2,), 0, torch.ones(2))]
+    entries = [ShardEntry("w", (2,), (0,), torch.ones(2))]
     with pytest.raises(ValueError, match="JSON-serializable"):
         save_checkpoint(tmp_path, 1, entries, {"x": object()}, None)
-    with pytest.raises(Exception, match="pickle"):
+    with pytest.raises(TypeError, match="nothing is pickled"):
         save_checkpoint(tmp_path, 1, entries, {}, lambda: 0)
     assert find_latest_valid(tmp_path) == (None, [])
 
@@ -310,7 +325,7 @@ def test_export_round_trip(tmp_path: Path) -> None:
 def test_inspect_summary(tmp_path: Path) -> None:
     _save(tmp_path, 4)
     text = inspect(tmp_path)
-    assert "step: 4" in text and "world size: 1" in text and "format version: 1" in text
+    assert "step: 4" in text and "world size: 1" in text and "format version: 2" in text
     assert "tensors: 4" in text and "verification: OK" in text
     model_bytes = 20 * 4 + 3 * 2
     assert f"model/: 2 tensors, {model_bytes} bytes" in text
@@ -340,8 +355,8 @@ def test_async_writer_single_rank(tmp_path: Path) -> None:
 
 def test_empty_tensor_and_numel(tmp_path: Path) -> None:
     entries = [
-        ShardEntry("model/empty", (0, 3), 0, torch.empty(0)),
-        ShardEntry("model/w", (2, 2), 0, torch.arange(4.0)),
+        ShardEntry("model/empty", (0, 3), (0, 0), torch.empty(0, 3)),
+        ShardEntry("model/w", (2, 2), (0, 0), torch.arange(4.0).reshape(2, 2)),
     ]
     save_checkpoint(tmp_path, 1, entries, {}, None)
     with CheckpointReader(tmp_path) as reader:
@@ -358,10 +373,10 @@ def test_views_and_dtypes(tmp_path: Path) -> None:
         "d": torch.arange(-3, 3, dtype=torch.int8),
         "e": torch.linspace(-2, 2, 6).to(torch.float8_e4m3fn),
     }
-    entries = [ShardEntry("a", (20,), 0, base[10:17]), ShardEntry("a", (20,), 7, base[17:30])]
-    entries.append(ShardEntry("b", (20,), 0, full["b"].reshape(4, 5).t().reshape(-1)[:0]))
-    entries.append(ShardEntry("b", (20,), 0, full["b"]))
-    entries += [ShardEntry(n, (t.numel(),), 0, t) for n, t in full.items() if n in "cde"]
+    entries = [ShardEntry("a", (20,), (0,), base[10:17]), ShardEntry("a", (20,), (7,), base[17:30])]
+    entries.append(ShardEntry("b", (20,), (0,), full["b"].reshape(4, 5).t().reshape(-1)[:0]))
+    entries.append(ShardEntry("b", (20,), (0,), full["b"]))
+    entries += [ShardEntry(n, (t.numel(),), (0,), t) for n, t in full.items() if n in "cde"]
     save_checkpoint(tmp_path, 1, entries, {}, None)
     with CheckpointReader(tmp_path) as reader:
         for name, t in full.items():

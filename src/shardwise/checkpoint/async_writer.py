@@ -7,16 +7,16 @@ constructed, so its collectives never interleave with the training step's on the
 from __future__ import annotations
 
 import logging
-import pickle
 import threading
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from shardwise import comm
-from shardwise import dist as sw_dist
-from shardwise.checkpoint.shards import ShardEntry, prepare_entries
+from shardwise.checkpoint.entries import ShardEntry, prepare_entries
+from shardwise.checkpoint.rank_state import encode_rank_state
 from shardwise.checkpoint.writer import check_trainer_state, save_snapshot
+from shardwise.comm.ops import GroupLike
 
 log = logging.getLogger("shardwise.checkpoint")
 
@@ -32,9 +32,11 @@ class AsyncCheckpointWriter:
         timeout_s: how long a rank's background thread waits for the others (the slowest
             rank's write must fit in it). Default 1800 s.
         verify_writes: read each written file back and check its sha256 before the commit.
+        group: the ranks that save together (``None``: the world); file names use their
+            group ranks.
 
-    Construction is collective: it forms the writer's process group over the whole world
-    (``comm.new_group``), so every rank must construct it at the same point.
+    Construction is collective: it forms the writer's own process group over the ranks of
+    ``group`` (``comm.new_group``), so each of them must construct it at the same point.
     """
 
     def __init__(
@@ -43,6 +45,7 @@ class AsyncCheckpointWriter:
         keep_last: int | None = None,
         timeout_s: float | None = None,
         verify_writes: bool = True,
+        group: GroupLike = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (or None to keep all), got {keep_last}")
@@ -53,8 +56,9 @@ class AsyncCheckpointWriter:
         self.keep_last = keep_last
         self.verify_writes = verify_writes
         self.group = comm.new_group(
-            list(range(sw_dist.world_size())), timeout_s=timeout, dedicated=True
+            list(comm.resolve(group).ranks), timeout_s=timeout, dedicated=True
         )
+        self._rank = self.group.ranks[self.group.rank]
         self.last_committed: Path | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -69,12 +73,12 @@ class AsyncCheckpointWriter:
         step: int,
         entries: list[ShardEntry],
         trainer_state: dict[str, Any],
-        rank_state: object,
+        rank_state: Any,
     ) -> None:
         """Snapshot this rank's state and save it as step ``step`` in the background.
 
         Blocks only to finish the previous save (re-raising its error) and to copy the entries
-        to host memory, ``trainer_state`` through JSON and ``rank_state`` through pickle: the
+        to host memory, ``trainer_state`` through JSON and ``rank_state`` into its file bytes: the
         caller may change all of them once this returns. Arguments as in ``save_checkpoint``.
 
         Communicates (from the background thread, on this writer's group): the collectives of
@@ -88,7 +92,7 @@ class AsyncCheckpointWriter:
         try:
             snapshot = prepare_entries(entries, copy=True)
             state = check_trainer_state(trainer_state)
-            blob = pickle.dumps(rank_state, protocol=pickle.HIGHEST_PROTOCOL)
+            blob = encode_rank_state(rank_state)
         except Exception as exc:  # raised on every rank by the protocol, via wait()
             error = exc
         self._thread = threading.Thread(
@@ -120,7 +124,7 @@ class AsyncCheckpointWriter:
                 local_error=error,
             )
         except BaseException as exc:  # handed to the caller by wait()
-            log.error("rank %d: background save of step %d failed: %s", sw_dist.rank(), step, exc)
+            log.error("rank %d: background save of step %d failed: %s", self._rank, step, exc)
             self._error = exc
 
     def wait(self, timeout_s: float | None = None) -> Path | None:

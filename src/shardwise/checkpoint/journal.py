@@ -1,5 +1,8 @@
 """The write-ahead journal: the single source of truth for which checkpoints exist.
 
+:func:`resolve` is the one place that turns "a checkpoint root or a step directory" into a step
+directory; :func:`commit_problem` says why the journal does not vouch for a step.
+
 ``root/journal.log`` is append-only text, one record per line::
 
     <crc32 of the JSON, 8 hex digits> <JSON object>\n
@@ -29,8 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardwise.checkpoint.durable import fsync_dir
-from shardwise.checkpoint.layout import JOURNAL_NAME
+from shardwise.checkpoint.files import fsync_dir
+from shardwise.checkpoint.layout import (
+    JOURNAL_NAME,
+    CheckpointError,
+    parse_step_dir,
+    step_dir_name,
+)
 
 log = logging.getLogger("shardwise.checkpoint")
 
@@ -46,6 +54,8 @@ class JournalRecord:
     step: int
     line_no: int
     manifest_sha256: str | None = None
+    set_aside: str | None = None
+    """On a ``delete`` record: the directory the step was renamed to (kept, not removed)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,8 @@ class JournalState:
     committed: dict[int, JournalRecord] = field(default_factory=dict)
     pending: set[int] = field(default_factory=set)
     deleted: set[int] = field(default_factory=set)
+    set_aside: dict[int, str] = field(default_factory=dict)
+    """Deleted steps whose directory was renamed (kept for inspection) -> the new name."""
 
     @property
     def torn(self) -> bool:
@@ -78,7 +90,7 @@ class JournalState:
 
     def fold(self) -> None:
         """Replay ``records`` in order into ``committed``, ``pending`` and ``deleted``."""
-        self.committed, self.pending, self.deleted = {}, set(), set()
+        self.committed, self.pending, self.deleted, self.set_aside = {}, set(), set(), {}
         for rec in self.records:
             if rec.op == "begin":
                 self.pending.add(rec.step)
@@ -90,6 +102,8 @@ class JournalState:
                 self.committed.pop(rec.step, None)
                 self.pending.discard(rec.step)
                 self.deleted.add(rec.step)
+                if rec.set_aside is not None:
+                    self.set_aside[rec.step] = rec.set_aside
 
     def live_steps(self) -> list[int]:
         """Committed, not deleted steps, oldest first."""
@@ -124,7 +138,10 @@ def _parse_line(raw: bytes, line_no: int) -> JournalRecord | DamagedLine:
             raise ValueError("commit record without manifest_sha256")
     except (ValueError, KeyError, TypeError) as exc:
         return DamagedLine(line_no, f"unreadable record ({exc})", _claimed_step(raw))
-    return JournalRecord(op, step, line_no, sha if op == "commit" else None)
+    aside = doc.get("set_aside") if op == "delete" else None
+    if aside is not None and not isinstance(aside, str):
+        return DamagedLine(line_no, "unreadable record (set_aside)", step)
+    return JournalRecord(op, step, line_no, sha if op == "commit" else None, aside)
 
 
 def encode_record(op: str, step: int, **fields: Any) -> bytes:
@@ -201,3 +218,62 @@ class Journal:
             os.fsync(f.fileno())
         if created:
             fsync_dir(self.root)
+
+
+def resolve(root_or_path: Path | str, which: str | int = "latest") -> Path:
+    """The directory of one committed checkpoint.
+
+    Args:
+        root_or_path: a checkpoint root (holding ``journal.log``), or a ``step-N`` directory,
+            which is returned as is (``verify`` checks that it exists and is committed).
+        which: ``"latest"`` (the newest committed step) or a step number.
+
+    Raises:
+        CheckpointError: no journal, no committed checkpoint, or step ``which`` not committed.
+        ValueError: ``which`` is neither ``"latest"`` nor an int.
+    """
+    p = Path(root_or_path)
+    if parse_step_dir(p) is not None:
+        return p
+    journal = Journal(p)
+    if not journal.exists():
+        raise CheckpointError(
+            f"no {JOURNAL_NAME}: not a checkpoint root, or nothing was ever committed there",
+            journal.path,
+        )
+    live = journal.read().live_steps()
+    if which == "latest":
+        if not live:
+            raise CheckpointError("the journal has no committed checkpoint", journal.path)
+        return p / step_dir_name(live[-1])
+    if isinstance(which, bool) or not isinstance(which, int):
+        raise ValueError(f"which must be 'latest' or a step number, got {which!r}")
+    if which not in live:
+        raise CheckpointError(
+            f"step {which} is not committed; committed steps: {live}", journal.path
+        )
+    return p / step_dir_name(which)
+
+
+def commit_problem(state: JournalState, step: int) -> str | None:
+    """Why the journal does not vouch for ``step`` (None when it has a valid commit)."""
+    if step in state.committed:
+        return None
+    damaged = state.damaged_for(step)
+    if damaged is not None:
+        return (
+            f"line {damaged.line_no} (a record of step {step}) is damaged "
+            f"({damaged.reason}); the commit of step {step} cannot be trusted"
+        )
+    if step in state.set_aside:
+        return f"step {step} was set aside as damaged (kept as {state.set_aside[step]})"
+    if step in state.deleted:
+        return f"step {step} was deleted (retention or delete_checkpoint)"
+    if state.torn_step in (step, -1):
+        return (
+            f"no commit record for step {step}: the last line is torn (the process died "
+            f"while appending it), so the save was never committed"
+        )
+    if step in state.pending:
+        return f"step {step} was begun but never committed (the save was interrupted)"
+    return f"no record of step {step}: it was never committed"

@@ -4,27 +4,19 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from shardwise.checkpoint.durable import fsync_dir
-from shardwise.checkpoint.errors import CheckpointError
+from shardwise.checkpoint.files import dtype_from_name, save_safetensors
 from shardwise.checkpoint.integrity import read_manifest, verify
-from shardwise.checkpoint.layout import parse_step_dir
-from shardwise.checkpoint.locate import resolve
+from shardwise.checkpoint.journal import resolve
+from shardwise.checkpoint.layout import CheckpointError
 from shardwise.checkpoint.reader import CheckpointReader
-from shardwise.checkpoint.shardfile import dtype_from_name
 
 log = logging.getLogger("shardwise.checkpoint")
 
 MODEL_PREFIX = "model/"
-
-
-def _step_dir(path: Path | str) -> Path:
-    return Path(path) if parse_step_dir(path) is not None else resolve(path)
 
 
 def _human(nbytes: int) -> str:
@@ -44,7 +36,7 @@ def inspect(path: Path | str) -> str:
     Never raises for a damaged checkpoint: the problem is part of the summary.
     """
     try:
-        step_dir = _step_dir(path)
+        step_dir = resolve(path)
         manifest, _ = read_manifest(step_dir)
     except CheckpointError as exc:
         return f"checkpoint {path}\n  unreadable: {exc}"
@@ -91,7 +83,8 @@ def export_consolidated(path: Path | str, out_file: Path | str) -> list[str]:
     Floating tensors are cast to float32; others keep their stored dtype. The result loads into
     the plain (unsharded) model with ``model.load_state_dict(safetensors.torch.load_file(f))``.
     Tied weights appear once per name the engine saved. The checkpoint is verified first; the
-    output is written to a temp name and renamed into place.
+    output is written with :func:`~shardwise.checkpoint.files.save_safetensors` (temp name,
+    fsync, rename).
 
     Returns:
         The names written, sorted.
@@ -106,12 +99,7 @@ def export_consolidated(path: Path | str, out_file: Path | str) -> list[str]:
             tensors[name[len(MODEL_PREFIX) :]] = full.float() if full.is_floating_point() else full
     if not tensors:
         raise ValueError(f"{path} holds no tensor named '{MODEL_PREFIX}...'; nothing to export")
-    tmp = out.with_name(out.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
-    fsync_dir(out.parent)
+    save_safetensors(out, tensors)
     log.info(
         "exported %d model tensors (%d elements) to %s",
         len(tensors),

@@ -7,8 +7,8 @@ Protocol (ranks are group ranks; "rank 0" is the committing rank):
    (this doubles as the barrier).
 2. every rank writes its shard file and its rank-state file into the temp directory, fsyncs
    them and (``verify_writes``) reads them back to check their sha256.
-3. ``all_gather_object`` of every rank's piece and file metadata (or its error).
-4. rank 0 checks that the pieces of every tensor cover it exactly once, writes
+3. ``all_gather_object`` of every rank's box and file metadata (or its error).
+4. rank 0 checks that the boxes of every tensor cover it exactly once, writes
    ``manifest.json.tmp``, fsyncs, renames it to ``manifest.json``, renames the temp directory to
    ``root/step-N`` (atomic), fsyncs ``root``, appends ``commit N manifest_sha256=...``, applies
    retention, and broadcasts the outcome: every rank returns or raises together.
@@ -27,21 +27,26 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from shardwise import comm
-from shardwise.checkpoint.cleanup import apply_retention, clean_leftovers
-from shardwise.checkpoint.durable import fsync_dir, sha256_file, write_bytes_durably
-from shardwise.checkpoint.errors import CheckpointError
+from shardwise.checkpoint.entries import ShardEntry, prepare_entries
 from shardwise.checkpoint.faults import crash_point, maybe_crash
+from shardwise.checkpoint.files import (
+    dtype_name,
+    fsync_dir,
+    sha256_file,
+    write_bytes_durably,
+    write_shard_file,
+)
 from shardwise.checkpoint.journal import Journal
 from shardwise.checkpoint.layout import (
     MANIFEST_NAME,
     MANIFEST_TMP_NAME,
+    CheckpointError,
     rank_state_file_name,
     shard_file_name,
     step_dir_name,
@@ -49,8 +54,8 @@ from shardwise.checkpoint.layout import (
     tmp_dir_name,
 )
 from shardwise.checkpoint.manifest import FileRecord, PieceMeta, RankMeta, build_manifest
-from shardwise.checkpoint.shardfile import dtype_name, write_shard_file
-from shardwise.checkpoint.shards import ShardEntry, prepare_entries
+from shardwise.checkpoint.rank_state import encode_rank_state
+from shardwise.checkpoint.retention import apply_retention, clean_leftovers
 from shardwise.comm.ops import GroupLike
 
 log = logging.getLogger("shardwise.checkpoint")
@@ -101,7 +106,8 @@ def _begin(root: Path, step: int, trainer_state: dict[str, Any]) -> _Failure | N
             raise ValueError(
                 f"step {step} is already committed at {final}; checkpoints are "
                 f"immutable: save under another step, or retire it first with "
-                f"shardwise.checkpoint.delete_checkpoint(root, {step})"
+                f"shardwise.checkpoint.delete_checkpoint(root, {step}) or "
+                f"shardwise.checkpoint.set_aside(root, {step}, reason)"
             )
         if final.exists():
             raise ValueError(
@@ -136,7 +142,7 @@ def _write_rank_files(
 ) -> RankMeta:
     """Every rank, phase 2: write and fsync this rank's shard and rank-state files."""
     shard_name = shard_file_name(rank, world)
-    pieces = [(tensor_key(e.name, e.start), e.tensor) for e in entries if e.tensor.numel()]
+    pieces = [(tensor_key(e.name, e.offsets), e.tensor) for e in entries if e.tensor.numel()]
     midway = (lambda: maybe_crash("mid_file", rank)) if crash_point() == "mid_file" else None
     shard_size, shard_sha = write_shard_file(tmp / shard_name, pieces, midway)
     state_name = rank_state_file_name(rank)
@@ -147,12 +153,12 @@ def _write_rank_files(
     metas = tuple(
         PieceMeta(
             e.name,
-            e.full_shape,
+            e.global_shape,
             dtype_name(e.tensor.dtype),
-            e.start,
-            e.tensor.numel(),
+            e.offsets,
+            tuple(e.tensor.shape),
             shard_name,
-            tensor_key(e.name, e.start),
+            tensor_key(e.name, e.offsets),
         )
         for e in entries
     )
@@ -194,7 +200,7 @@ def _commit(
     )
     if keep_last is not None:
         try:
-            apply_retention(root, keep_last, Journal(root).read())
+            apply_retention(root, keep_last)
         except OSError as exc:  # the new checkpoint is committed: do not fail the save
             log.warning("rank 0: retention (keep_last=%d) in %s failed: %s", keep_last, root, exc)
     return None
@@ -212,7 +218,7 @@ def save_snapshot(
     verify_writes: bool = True,
     local_error: Exception | None = None,
 ) -> Path:
-    """Run the save protocol on already prepared entries and a pickled rank state.
+    """Run the save protocol on already prepared entries and an encoded rank state.
 
     ``local_error`` is an error this rank hit while preparing: it is raised on every rank
     without deadlocking the others. See :func:`save_checkpoint` for the rest.
@@ -256,7 +262,7 @@ def save_checkpoint(
     step: int,
     entries: list[ShardEntry],
     trainer_state: dict[str, Any],
-    rank_state: object,
+    rank_state: Any,
     keep_last: int | None = None,
     group: GroupLike = None,
     verify_writes: bool = True,
@@ -267,11 +273,12 @@ def save_checkpoint(
         root: checkpoint root on a filesystem every rank sees; created if missing.
         step: training step (>= 0); the checkpoint lands in ``root/step-{step:08d}``. A step
             that is already committed raises ValueError (checkpoints are immutable).
-        entries: this rank's pieces; over all ranks they must cover each tensor exactly once.
+        entries: this rank's boxes; over all ranks they must cover each tensor exactly once.
         trainer_state: JSON-serializable dict stored in the manifest (rank 0's copy is used):
             global step, resolved config, layout, loss scaler, data sampler position...
-        rank_state: any picklable object of this rank (RNG states...), stored as
-            ``rank-{rank:05d}.pkl`` with its sha256 in the manifest.
+        rank_state: this rank's own values (RNG states...): JSON values, tuples, tensors and
+            numpy arrays (see ``rank_state.py``), stored as ``rank-{rank:05d}.safetensors``
+            with its sha256 in the manifest. Nothing is pickled.
         keep_last: after committing, delete all but the newest ``keep_last`` checkpoints.
         group: the ranks that save together (default: the world); file names use group ranks.
         verify_writes: read every written file back and check its sha256 before committing.
@@ -280,7 +287,7 @@ def save_checkpoint(
         ``root/step-{step:08d}``, committed, on every rank.
 
     Communicates: two ``broadcast_object`` from rank 0 and one ``all_gather_object`` of
-    per-piece metadata (a few hundred bytes per piece) over ``group``.
+    per-box metadata (a few hundred bytes per box) over ``group``.
     """
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
@@ -290,7 +297,7 @@ def save_checkpoint(
     blob, error = b"", None
     try:
         prepared = prepare_entries(entries)
-        blob = pickle.dumps(rank_state, protocol=pickle.HIGHEST_PROTOCOL)
+        blob = encode_rank_state(rank_state)
     except Exception as exc:  # raised on every rank by the protocol, not here alone
         error = exc
     return save_snapshot(

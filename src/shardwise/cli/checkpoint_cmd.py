@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from shardwise.checkpoint import CheckpointError, inspect, verify_cli
-from shardwise.checkpoint.engine_state import describe, export_model_state
+from shardwise.engine_weights import describe, export_model_state
 
 
 def _inspect(args: argparse.Namespace) -> int:

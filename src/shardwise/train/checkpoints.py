@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from shardwise.checkpoint import CheckpointError, CheckpointReader, save_safetensors
 from shardwise.data.sampler import DistributedBatchSampler
 from shardwise.engine import Engine
+from shardwise.engine_weights import read_model_state
 from shardwise.models.gpt import GPT, GPTConfig
 
 log = logging.getLogger("shardwise.train")
@@ -27,7 +28,7 @@ def save(engine: Engine, sampler: DistributedBatchSampler) -> Path:
     into ``engine.config.checkpoint_dir``; call on every rank, after ``engine.step()``.
     With ``config.async_save`` it returns once the state is copied to host memory.
 
-    Communicates: see ``shardwise.checkpoint.engine_state.save_engine``.
+    Communicates: see ``shardwise.engine_checkpoint.save_engine``.
     """
     return engine.save(sampler=sampler)
 
@@ -58,9 +59,7 @@ def save_final_model(engine: Engine, path: Path, step: int, is_writer: bool) -> 
     # tied weights (the head's and the token embedding's) come back as one tensor under two
     # names; safetensors stores each name separately, so each gets its own copy
     tensors = {k: (v.float() if v.is_floating_point() else v).clone() for k, v in state.items()}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"step": str(step)})
-    tmp.replace(path)
+    save_safetensors(path, tensors, metadata={"step": str(step)})
     log.info("wrote %s (step %d)", path, step)
 
 
@@ -68,9 +67,6 @@ def _from_checkpoint(root: Path) -> tuple[dict[str, torch.Tensor], int] | None:
     """The model state and step of the newest committed checkpoint under ``root``."""
     if not root.is_dir():
         return None
-    from shardwise.checkpoint import CheckpointError, CheckpointReader
-    from shardwise.checkpoint.engine_state import read_model_state
-
     try:
         with CheckpointReader(root, verify=False) as reader:
             step_dir, step = reader.path, reader.step

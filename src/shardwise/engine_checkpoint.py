@@ -3,43 +3,62 @@
     path = save_engine(engine, "ckpt", sampler=sampler)    # every rank; rank 0 commits
     state = load_engine(engine, "ckpt", sampler=sampler)   # every rank; any world size
 
-A checkpoint holds the logical tensors of ``engine_shards`` (fp32 masters ``model/``,
-element-wise optimizer states ``optim/``, buffers ``buffer/``), each rank writing only its own
-flat ranges, plus two small records:
+``Engine.save`` / ``load`` / ``resume`` / ``maybe_save`` / ``wait_for_checkpoint`` /
+``load_full_state`` are :class:`EngineCheckpoints`' methods. A checkpoint holds the logical
+tensors of ``zero.checkpoint_entries`` (fp32 masters ``model/``, element-wise optimizer states
+``optim/``, buffers ``buffer/``), each rank writing only its own boxes, plus two small records:
 
 - the trainer state (JSON, in the manifest): global and micro step, resolved config, world size,
   dp size, ZeRO stage, precision, loss scaler, learning-rate scheduler, optimizer class and
   hyperparameters per group, scalar optimizer states per parameter (Adam's ``step``), data
   sampler position, tied-parameter aliases, the caller's ``extra`` and format notes;
-- one rank state per rank (pickled): python, numpy, torch CPU and CUDA RNG states.
+- one rank state per rank (tensors and JSON, never a pickle): python, numpy, torch CPU and CUDA
+  RNG states.
 
 Loading reads, on each rank, exactly the ranges its master and optimizer pieces cover now, so the
 world size, ZeRO stage and precision may all differ from the run that saved. RNG states are
 restored only at the same world size (rank r gets rank r's); otherwise every rank is re-seeded.
-
-Tensor layout: ``engine_shards``; trainer and rank state: ``engine_trainer``. Offline helpers
-(re-exported here, defined in ``engine_export``): :func:`read_model_state` /
-:func:`export_model_state` give the full model state (every key of the plain model's
-``state_dict()``, tied aliases included) and :func:`load_pretrained` starts an engine from such
-a state or file.
+Resuming skips damaged newer checkpoints and sets them aside (``damaged-step-N``), and rebuilds a
+lost journal from the manifests. Trainer and rank state: ``engine_run_state``; full weights
+(export, ``load_pretrained``): ``engine_weights``.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from shardwise import comm
 from shardwise import dist as sw_dist
 from shardwise.checkpoint.async_writer import AsyncCheckpointWriter
-from shardwise.checkpoint.engine_export import (
-    describe,
-    export_model_state,
-    load_pretrained,
-    read_model_state,
+from shardwise.checkpoint.integrity import (
+    check_file,
+    check_manifest_sha256,
+    committed_manifest_sha256,
+    find_latest_valid,
+    read_manifest,
+    rebuild_journal,
 )
-from shardwise.checkpoint.engine_shards import (
+from shardwise.checkpoint.journal import Journal, resolve
+from shardwise.checkpoint.layout import CheckpointError, parse_step_dir, step_dir_name
+from shardwise.checkpoint.reader import CheckpointReader
+from shardwise.checkpoint.retention import set_aside
+from shardwise.checkpoint.writer import save_checkpoint
+from shardwise.engine_run_state import (
+    ENGINE_FORMAT,
+    READABLE_ENGINE_VERSIONS,
+    CheckpointableEngine,
+    Stateful,
+    rank_state,
+    restore_rng,
+    restore_trainer,
+    trainer_state,
+)
+from shardwise.engine_weights import load_pretrained
+from shardwise.zero.checkpoint_entries import (
     ModelNames,
     ScalarStates,
     check_model_matches,
@@ -48,38 +67,8 @@ from shardwise.checkpoint.engine_shards import (
     load_replicated,
     replicated_entries,
 )
-from shardwise.checkpoint.engine_trainer import (
-    ENGINE_FORMAT,
-    rank_state,
-    restore_rng,
-    restore_trainer,
-    trainer_state,
-)
-from shardwise.checkpoint.errors import CheckpointError
-from shardwise.checkpoint.integrity import (
-    check_file,
-    check_manifest_sha256,
-    committed_manifest_sha256,
-    read_manifest,
-)
-from shardwise.checkpoint.layout import step_dir_name
-from shardwise.checkpoint.locate import resolve
-from shardwise.checkpoint.reader import CheckpointReader, find_latest_valid
-from shardwise.checkpoint.writer import save_checkpoint
 
-if TYPE_CHECKING:
-    from shardwise.data.sampler import DistributedBatchSampler
-    from shardwise.engine import Engine
-
-__all__ = [
-    "describe",
-    "export_model_state",
-    "load_engine",
-    "load_pretrained",
-    "read_model_state",
-    "resume_engine",
-    "save_engine",
-]
+__all__ = ["EngineCheckpoints", "load_engine", "resume_engine", "save_engine"]
 
 log = logging.getLogger("shardwise.checkpoint")
 
@@ -91,7 +80,7 @@ def _me() -> int:
 # ---- saving ----
 
 
-def _check_saveable(engine: Engine) -> None:
+def _check_saveable(engine: CheckpointableEngine) -> None:
     world = sw_dist.world_size()
     if tuple(engine.group.ranks) != tuple(range(world)):
         raise ValueError(
@@ -107,7 +96,7 @@ def _check_saveable(engine: Engine) -> None:
         )
 
 
-def _gather_scalars(engine: Engine, local: ScalarStates) -> ScalarStates:
+def _gather_scalars(engine: CheckpointableEngine, local: ScalarStates) -> ScalarStates:
     """Every rank's scalar optimizer states, merged; pieces of one parameter must agree.
     Communicates: one all_gather_object over the engine's group."""
     merged: ScalarStates = {}
@@ -122,10 +111,10 @@ def _gather_scalars(engine: Engine, local: ScalarStates) -> ScalarStates:
 
 
 def save_engine(
-    engine: Engine,
+    engine: CheckpointableEngine,
     root: Path | str,
     *,
-    sampler: DistributedBatchSampler | None = None,
+    sampler: Stateful | None = None,
     extra: dict[str, Any] | None = None,
     async_writer: AsyncCheckpointWriter | None = None,
     verify_writes: bool = True,
@@ -153,8 +142,10 @@ def save_engine(
     """
     _check_saveable(engine)
     names = ModelNames.of(engine.module)
-    entries, local = flat_entries(engine, names)
-    entries += replicated_entries(engine, names)
+    entries, local = flat_entries(engine.flats, engine.optimizer, names)
+    entries += replicated_entries(
+        engine.module, engine.flats, names, engine.group.rank, engine.group.size
+    )
     state = trainer_state(engine, names, _gather_scalars(engine, local), sampler, extra)
     step = engine.global_step
     if async_writer is not None:
@@ -180,7 +171,7 @@ def save_engine(
 # ---- loading ----
 
 
-def _verify_together(step_dir: Path, engine: Engine) -> None:
+def _verify_together(step_dir: Path, engine: CheckpointableEngine) -> None:
     """Check the commit, the manifest and every file's sha256, each rank reading a share of the
     files; every rank raises the first problem found. Communicates: one all_gather_object."""
     problem: tuple[str, str | None] | None = None
@@ -191,7 +182,7 @@ def _verify_together(step_dir: Path, engine: Engine) -> None:
         files = sorted(manifest.files)
         for name in files[engine.group.rank :: engine.group.size]:
             record = manifest.files[name]
-            check_file(step_dir / name, record.size, record.sha256)
+            check_file(step_dir, name, record.size, record.sha256)
     except CheckpointError as exc:
         problem = (exc.problem, None if exc.path is None else str(exc.path))
     found = [p for p in comm.all_gather_object(problem, group=engine.group) if p is not None]
@@ -199,13 +190,15 @@ def _verify_together(step_dir: Path, engine: Engine) -> None:
         raise CheckpointError(*found[0])
 
 
-def _check_format(state: dict[str, Any], engine: Engine, step_dir: Path) -> None:
+def _check_format(state: dict[str, Any], engine: CheckpointableEngine, step_dir: Path) -> None:
     fmt = state.get("format", {})
-    if fmt.get("name") != ENGINE_FORMAT["name"] or fmt.get("version") != ENGINE_FORMAT["version"]:
+    if fmt.get("name") != ENGINE_FORMAT["name"] or fmt.get("version") not in (
+        READABLE_ENGINE_VERSIONS
+    ):
         raise CheckpointError(
-            f"not a {ENGINE_FORMAT['name']} v{ENGINE_FORMAT['version']} "
-            f"checkpoint (trainer_state format {fmt}); read its tensors with "
-            f"shardwise.checkpoint.CheckpointReader",
+            f"not a {ENGINE_FORMAT['name']} checkpoint of version "
+            f"{' or '.join(str(v) for v in READABLE_ENGINE_VERSIONS)} (trainer_state format "
+            f"{fmt}); read its tensors with shardwise.checkpoint.CheckpointReader",
             step_dir,
         )
     saved, now = state["optimizer"]["class"], type(engine.optimizer).__name__
@@ -218,10 +211,10 @@ def _check_format(state: dict[str, Any], engine: Engine, step_dir: Path) -> None
 
 
 def load_engine(
-    engine: Engine,
+    engine: CheckpointableEngine,
     path_or_root: Path | str,
     *,
-    sampler: DistributedBatchSampler | None = None,
+    sampler: Stateful | None = None,
     which: str | int = "latest",
     verify: bool = True,
 ) -> dict[str, Any]:
@@ -254,9 +247,11 @@ def load_engine(
     with CheckpointReader(step_dir, verify=False) as reader:
         state = reader.trainer_state
         _check_format(state, engine, step_dir)
-        check_model_matches(reader, engine, names)
-        load_flats(engine, reader, names, state["optimizer"]["scalar_states"])
-        load_replicated(engine, reader, names)
+        check_model_matches(reader, engine.module, names)
+        load_flats(
+            engine.flats, engine.optimizer, reader, names, state["optimizer"]["scalar_states"]
+        )
+        load_replicated(engine.module, engine.flats, reader, names)
         handles = [f.publish_master() for f in engine.flats]
         for h in handles:
             if h is not None:
@@ -282,23 +277,58 @@ def load_engine(
     return state
 
 
+def _lost_journal(root: Path) -> bool:
+    """A root with step directories but no journal (deleted or lost)."""
+    return (
+        root.is_dir()
+        and not Journal(root).exists()
+        and any(parse_step_dir(p) is not None for p in root.iterdir())
+    )
+
+
+def _retire_damaged(root: Path, found: Path | None, skipped: list[tuple[Path, str]]) -> None:
+    """Set aside every skipped step newer than ``found`` (so that training can save it again),
+    except an interrupted save the next save removes anyway."""
+    state = Journal(root).read()
+    newest = -1 if found is None else parse_step_dir(found)
+    for path, why in skipped:
+        step = parse_step_dir(path)
+        assert step is not None and newest is not None
+        interrupted = step in state.pending and state.damaged_for(step) is None
+        if step > newest and not interrupted and path.is_dir():
+            set_aside(root, step, f"it does not verify: {why}")
+
+
+def _find_resume_point(root: Path) -> tuple[str | None, list[tuple[str, str]]]:
+    """Rank 0: rebuild a lost journal, find the newest valid step, set aside newer damaged
+    ones. Returns (path or None, [(skipped path, reason)])."""
+    if _lost_journal(root):
+        log.warning(
+            "rank 0: %s has step directories but no journal: rebuilding it from their "
+            "manifests (only steps whose files all verify)",
+            root,
+        )
+        rebuild_journal(root)
+    newest, passed_over = find_latest_valid(root)
+    _retire_damaged(root, newest, passed_over)
+    return None if newest is None else str(newest), [(str(p), why) for p, why in passed_over]
+
+
 def resume_engine(
-    engine: Engine, root: Path | str, *, sampler: DistributedBatchSampler | None = None
+    engine: CheckpointableEngine, root: Path | str, *, sampler: Stateful | None = None
 ) -> dict[str, Any] | None:
     """Load the newest checkpoint under ``root`` that verifies; None when there is none.
 
-    Damaged or uncommitted newer checkpoints are skipped with a warning naming each one and
-    why. Rank 0 searches and verifies; the others follow its choice. Communicates: one
-    broadcast_object, then ``load_engine``'s collectives.
+    Rank 0 searches and verifies; the others follow its choice. A lost ``journal.log`` is
+    rebuilt from the step directories' manifests first. Damaged or uncommitted newer
+    checkpoints are skipped with a warning naming each one and why, and set aside as
+    ``damaged-step-N`` (kept for inspection) so that training saves those steps again.
+    Communicates: one broadcast_object, then ``load_engine``'s collectives.
     """
     outcome: tuple[str | None, list[tuple[str, str]]] | str | None = None
     if engine.group.rank == 0:
         try:
-            newest, passed_over = find_latest_valid(root)
-            outcome = (
-                None if newest is None else str(newest),
-                [(str(p), why) for p, why in passed_over],
-            )
+            outcome = _find_resume_point(Path(root))
         except Exception as exc:  # raised on every rank below
             outcome = f"{type(exc).__name__}: {exc}"
     outcome = comm.broadcast_object(outcome, src=engine.group.ranks[0], group=engine.group)
@@ -323,3 +353,90 @@ def resume_engine(
             found,
         )
     return load_engine(engine, found, sampler=sampler, verify=False)
+
+
+class EngineCheckpoints:
+    """An engine's checkpoint methods (``Engine.save``, ``load``, ``resume``...): where its
+    checkpoints go, its background writer, and the last step saved or loaded.
+
+    The training loop drives them; ``step()`` never saves by itself::
+
+        engine.resume(sampler=sampler)           # resume="auto": newest valid checkpoint
+        while engine.global_step < steps:
+            ...forward / backward...
+            if engine.step():
+                engine.maybe_save(sampler=sampler)  # every config.checkpoint_every steps
+        engine.wait_for_checkpoint()              # async saves: before the process exits
+    """
+
+    def __init__(self, engine: CheckpointableEngine) -> None:
+        self.engine = engine
+        self.writer: AsyncCheckpointWriter | None = None
+        self.last_saved_step: int | None = None
+
+    def root(self, path: str | Path | None) -> Path:
+        """``path``, or ``config.checkpoint_dir`` when None (ValueError when neither is set)."""
+        root = path if path is not None else self.engine.config.checkpoint_dir
+        if root is None:
+            raise ValueError(
+                "no checkpoint directory: pass path= or set Config(checkpoint_dir=...)"
+            )
+        return Path(root)
+
+    def save(
+        self,
+        path: str | Path | None = None,
+        *,
+        sampler: Stateful | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> Path:
+        """See ``Engine.save``."""
+        root = self.root(path)
+        cfg = self.engine.config
+        writer = None
+        if cfg.async_save:
+            if self.writer is None or self.writer.root != root:
+                self.wait()
+                self.writer = AsyncCheckpointWriter(
+                    root, keep_last=cfg.keep_last, group=self.engine.group
+                )
+            writer = self.writer
+        out = save_engine(self.engine, root, sampler=sampler, extra=extra, async_writer=writer)
+        self.last_saved_step = self.engine.global_step
+        return out
+
+    def maybe_save(self, *, sampler: Stateful | None = None) -> Path | None:
+        """See ``Engine.maybe_save``."""
+        every = self.engine.config.checkpoint_every
+        step = self.engine.global_step
+        if not every or step == 0 or step % every or step == self.last_saved_step:
+            return None
+        return self.save(sampler=sampler)
+
+    def load(
+        self, path: str | Path = "latest", *, sampler: Stateful | None = None
+    ) -> dict[str, Any]:
+        """See ``Engine.load``."""
+        self.wait()
+        state = load_engine(
+            self.engine, self.root(None if path == "latest" else path), sampler=sampler
+        )
+        self.last_saved_step = self.engine.global_step
+        return state
+
+    def resume(self, *, sampler: Stateful | None = None) -> dict[str, Any] | None:
+        """See ``Engine.resume``."""
+        if self.engine.config.resume != "auto":
+            return None
+        state = resume_engine(self.engine, self.root(None), sampler=sampler)
+        if state is not None:
+            self.last_saved_step = self.engine.global_step
+        return state
+
+    def wait(self) -> Path | None:
+        """See ``Engine.wait_for_checkpoint``."""
+        return None if self.writer is None else self.writer.wait()
+
+    def load_full_state(self, source: str | Path | dict[str, torch.Tensor]) -> None:
+        """See ``Engine.load_full_state``."""
+        load_pretrained(self.engine, source)

@@ -1,19 +1,31 @@
-"""Removing what the journal says does not exist: interrupted saves, retired checkpoints.
+"""Retiring steps: interrupted saves and retention remove them, damaged ones are set aside.
 
 Only the committing rank runs these, and only one writer may use a checkpoint root at a time.
+Every retirement of a committed step writes the journal's ``delete`` record first: from then on
+the step does not exist for readers, even if what follows (removing or renaming its directory)
+is interrupted.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 
-from shardwise.checkpoint.durable import fsync_dir
-from shardwise.checkpoint.journal import Journal, JournalState
-from shardwise.checkpoint.layout import parse_step_dir, parse_tmp_dir, step_dir_name
+from shardwise.checkpoint.files import fsync_dir
+from shardwise.checkpoint.journal import Journal
+from shardwise.checkpoint.layout import (
+    parse_step_dir,
+    parse_tmp_dir,
+    set_aside_name,
+    step_dir_name,
+)
 
 log = logging.getLogger("shardwise.checkpoint")
+
+REASON_FILE = "SET_ASIDE.txt"
+"""Written into a set-aside directory: why and when it was set aside."""
 
 
 def clean_leftovers(journal: Journal) -> list[Path]:
@@ -59,12 +71,22 @@ def clean_leftovers(journal: Journal) -> list[Path]:
     return removed
 
 
+def _committed(journal: Journal, step: int) -> bool:
+    state = journal.read()
+    if step in state.committed:
+        return True
+    if not (journal.root / step_dir_name(step)).is_dir():
+        raise ValueError(
+            f"step {step} is not a committed checkpoint in {journal.root} and has no "
+            f"directory there; committed steps: {state.live_steps()}"
+        )
+    return False
+
+
 def delete_checkpoint(root: Path | str, step: int) -> None:
     """Retire committed step ``step``: journal ``delete`` record first, then remove the files.
 
-    Once the record is written the checkpoint no longer exists for readers, even if removing
-    its directory is interrupted (the next save finishes the removal). No distributed setup is
-    needed; do not run it while a save to ``root`` is in progress.
+    No distributed setup is needed; do not run it while a save to ``root`` is in progress.
 
     Raises:
         ValueError: the journal has no committed step ``step``.
@@ -83,11 +105,37 @@ def delete_checkpoint(root: Path | str, step: int) -> None:
     log.info("%s: deleted", path)
 
 
-def apply_retention(root: Path | str, keep_last: int, state: JournalState) -> list[int]:
+def set_aside(root: Path | str, step: int, reason: str) -> Path:
+    """Rename ``step-N`` to ``damaged-step-N`` (kept for inspection, with ``reason`` in
+    ``SET_ASIDE.txt``), so that training can save step N again.
+
+    A committed step gets the journal's ``delete`` record (naming the new directory) first. A
+    step directory the journal does not vouch for is only renamed. Returns the new path.
+
+    Raises:
+        ValueError: step ``step`` is neither committed nor a directory under ``root``.
+    """
+    journal = Journal(root)
+    src = journal.root / step_dir_name(step)
+    attempt = 0
+    while (journal.root / set_aside_name(step, attempt)).exists():
+        attempt += 1
+    dst = journal.root / set_aside_name(step, attempt)
+    if _committed(journal, step):
+        journal.append("delete", step, set_aside=dst.name)
+    if src.is_dir():
+        os.rename(src, dst)
+        (dst / REASON_FILE).write_text(f"step {step} set aside: {reason}\n", encoding="utf-8")
+    fsync_dir(journal.root)
+    log.warning("%s: set aside as %s (%s)", src, dst.name, reason)
+    return dst
+
+
+def apply_retention(root: Path | str, keep_last: int) -> list[int]:
     """Delete committed steps older than the newest ``keep_last``; returns the steps deleted."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (or None to keep all), got {keep_last}")
-    doomed = state.live_steps()[:-keep_last]
+    doomed = Journal(root).read().live_steps()[:-keep_last]
     for step in doomed:
         delete_checkpoint(root, step)
     return doomed

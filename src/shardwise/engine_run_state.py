@@ -4,7 +4,8 @@
 config, world size, dp size, ZeRO stage, precision, loss scaler, learning-rate scheduler,
 optimizer class with each group's hyperparameters and the scalar optimizer states per parameter
 (Adam's ``step``), data sampler position, tied-parameter aliases, the caller's ``extra`` and
-format notes. ``rank_state`` is what each rank pickles for itself: its RNG states.
+format notes. ``rank_state`` is what each rank stores for itself (tensors and JSON, never a
+pickle): its RNG states.
 
 Scheduler states are made JSON with one extension: a dict with non-string keys (MultiStepLR's
 milestones) is stored as ``{"__items__": [[key, value], ...]}``. Nothing here communicates.
@@ -15,29 +16,64 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch import nn
 
 from shardwise import dist as sw_dist
-from shardwise.checkpoint.engine_shards import ModelNames, ScalarStates
 from shardwise.checkpoint.reader import CheckpointReader
-
-if TYPE_CHECKING:
-    from shardwise.data.sampler import DistributedBatchSampler
-    from shardwise.engine import Engine
+from shardwise.comm.groups import Group
+from shardwise.config import Config
+from shardwise.precision import DynamicLossScaler
+from shardwise.zero.checkpoint_entries import ModelNames, ScalarStates
+from shardwise.zero.flat_param import FlatParam
+from shardwise.zero.stage import ZeroStage
 
 log = logging.getLogger("shardwise.checkpoint")
 
+
+class CheckpointableEngine(Protocol):
+    """What saving and loading use of a training engine (``shardwise.Engine`` is one)."""
+
+    config: Config
+    group: Group
+    stage: ZeroStage
+    module: nn.Module
+    flats: list[FlatParam]
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    scaler: DynamicLossScaler
+    device: torch.device
+    global_step: int
+    micro_step: int
+    skipped_steps: int
+
+    def zero_grad(self) -> None: ...
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+
+class Stateful(Protocol):
+    """A data sampler (or anything) whose position a checkpoint saves and restores."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 ENGINE_FORMAT = {
     "name": "shardwise-engine",
-    "version": 1,
+    "version": 2,
     "notes": "model/<param>: fp32 master values; optim/<param>/<key>: element-wise optimizer "
     "states; buffer/<name>: persistent buffers (floating ones fp32); "
     "optimizer.scalar_states: per-parameter scalar states; aliases: state-dict keys "
-    "that name an already stored tensor (tied weights)",
+    "that name an already stored tensor (tied weights); rank states: RNG states as "
+    "tensors and JSON",
 }
+READABLE_ENGINE_VERSIONS = (1, 2)
+"""1: as 2, with rank states pickled (not loaded: RNG states are re-seeded instead)."""
 _ITEMS_TAG = "__items__"  # a dict whose keys are not all strings, as [[key, value], ...]
 
 
@@ -127,10 +163,10 @@ def _restore_hyperparameters(optimizer: torch.optim.Optimizer, saved: list[dict[
 
 
 def trainer_state(
-    engine: Engine,
+    engine: CheckpointableEngine,
     names: ModelNames,
     scalars: ScalarStates,
-    sampler: DistributedBatchSampler | None,
+    sampler: Stateful | None,
     extra: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """The JSON record of ``engine``'s run (see the module docstring); ``scalars`` are the
@@ -171,7 +207,7 @@ def rank_state() -> dict[str, Any]:
 
 
 def restore_trainer(
-    engine: Engine, state: dict[str, Any], sampler: DistributedBatchSampler | None
+    engine: CheckpointableEngine, state: dict[str, Any], sampler: Stateful | None
 ) -> None:
     """Steps, loss scaler (when both runs scale), optimizer hyperparameters, scheduler and
     ``sampler`` from a trainer state. A micro step that does not fall on an optimizer-step
@@ -202,10 +238,12 @@ def restore_trainer(
         sampler.load_state_dict(state["sampler"])
 
 
-def restore_rng(engine: Engine, reader: CheckpointReader) -> None:
+def restore_rng(engine: CheckpointableEngine, reader: CheckpointReader) -> None:
     """At the saving world size, give this rank the RNG states rank ``group.rank`` saved;
-    otherwise re-seed every rank with ``config.seed + global_step`` and say so."""
-    if reader.world_size == engine.group.size:
+    otherwise (or from a format-1 checkpoint, whose pickled states are never loaded) re-seed
+    every rank with ``config.seed + global_step`` and say so."""
+    version = reader.manifest.format_version
+    if reader.world_size == engine.group.size and version >= 2:
         rs = reader.rank_state(engine.group.rank)
         random.setstate(rs["python"])
         np.random.set_state(rs["numpy"])
@@ -221,11 +259,15 @@ def restore_rng(engine: Engine, reader: CheckpointReader) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    log.info(
-        "rank %d: checkpoint written by %d ranks, now %d: RNG states not restored; "
-        "re-seeded with config.seed + global_step = %d",
+    why = (
+        f"checkpoint written by {reader.world_size} ranks, now {engine.group.size}"
+        if version >= 2
+        else f"format_version {version} checkpoint (its RNG states are pickles, never loaded)"
+    )
+    log.log(
+        logging.INFO if version >= 2 else logging.WARNING,
+        "rank %d: %s: RNG states not restored; re-seeded with config.seed + global_step = %d",
         _me(),
-        reader.world_size,
-        engine.group.size,
+        why,
         seed,
     )

@@ -1,4 +1,5 @@
-"""The engine's logical tensors in a checkpoint, and which flat ranges of them this rank holds.
+"""ZeRO's flat buffers as saved boxes: which logical tensors a checkpoint holds, and which parts
+of them this rank writes and reads.
 
 Names the manifest uses (one logical tensor each, full shape = the parameter's or buffer's):
 
@@ -12,30 +13,29 @@ names (state-dict aliases) are kept in the trainer state, not stored twice.
 Who writes what: a flat buffer's ``[shard_start, shard_stop)`` is this rank's to write. At stages
 1-3 the master holds exactly that range; at stage 0 every rank holds the whole flat, and writing
 only that part shares the write bandwidth over the ranks. Parameters outside flat buffers
-(frozen ones at stages 0-2, replicated) are split evenly over the ranks. Buffers: rank 0.
+(frozen ones at stages 0-2, replicated) are split evenly over the ranks. Buffers: rank 0. A
+parameter's part of a flat range is a flat range of the parameter, saved as its few boxes
+(``entries_of_flat_range``).
 
 Who reads what: each rank reads exactly the ranges its master and optimizer pieces cover now
-(``read_range``), whatever world size or stage wrote them, so a checkpoint loads at any world
-size. Nothing here communicates.
+(``read_range``: the boxes of that range), whatever layout, world size or stage wrote them, so a
+checkpoint loads at any world size. Nothing here communicates.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from shardwise.checkpoint.entries import ShardEntry, entries_of_flat_range
+from shardwise.checkpoint.files import dtype_from_name, dtype_name
 from shardwise.checkpoint.reader import CheckpointReader
-from shardwise.checkpoint.shardfile import dtype_from_name, dtype_name
-from shardwise.checkpoint.shards import ShardEntry
 from shardwise.zero.flat_param import FlatParam
 from shardwise.zero.partition import ShardPiece, pieces_in
-
-if TYPE_CHECKING:
-    from shardwise.engine import Engine
 
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"
@@ -130,78 +130,73 @@ def _split_state(
     return tensors, scalars
 
 
-def flat_entries(engine: Engine, names: ModelNames) -> tuple[list[ShardEntry], ScalarStates]:
-    """This rank's pieces of ``model/`` and ``optim/`` from the flat buffers, and the scalar
+def flat_entries(
+    flats: list[FlatParam], optimizer: torch.optim.Optimizer, names: ModelNames
+) -> tuple[list[ShardEntry], ScalarStates]:
+    """This rank's boxes of ``model/`` and ``optim/`` from the flat buffers, and the scalar
     optimizer states of every parameter piece it holds."""
     entries: list[ShardEntry] = []
     scalars: ScalarStates = {}
-    for f in engine.flats:
+    for f in flats:
         slot_name, opt_of = _slot_names(f, names), _opt_of(f)
         for pc, op in opt_of.values():
             name = slot_name[pc.slot.offset]
-            _, found = _split_state(name, op, engine.optimizer.state.get(op, {}))
+            _, found = _split_state(name, op, optimizer.state.get(op, {}))
             if found:
                 scalars[name] = found
         for wp in pieces_in(f.slots, f.shard_start, f.shard_stop):
             name, shape = slot_name[wp.slot.offset], wp.slot.shape
             lo = wp.slot.offset + wp.param_start - f.opt_start
-            values = f.master[lo : lo + wp.numel].detach()
-            entries.append(ShardEntry(model_key(name), shape, wp.param_start, values.float()))
+            values = f.master[lo : lo + wp.numel].detach().float()
+            entries += entries_of_flat_range(model_key(name), shape, wp.param_start, values)
             if wp.slot.offset not in opt_of:
                 continue
             pc, op = opt_of[wp.slot.offset]
-            states, _ = _split_state(name, op, engine.optimizer.state.get(op, {}))
+            states, _ = _split_state(name, op, optimizer.state.get(op, {}))
             a, b = wp.param_start - pc.param_start, wp.param_stop - pc.param_start
             for key, value in states.items():
-                entries.append(ShardEntry(optim_key(name, key), shape, wp.param_start, value[a:b]))
+                entries += entries_of_flat_range(
+                    optim_key(name, key), shape, wp.param_start, value.reshape(-1)[a:b]
+                )
     return entries, scalars
 
 
-def outside_params(engine: Engine) -> Iterator[tuple[str, nn.Parameter]]:
+def outside_params(module: nn.Module, flats: list[FlatParam]) -> Iterator[tuple[str, nn.Parameter]]:
     """Parameters that live outside flat buffers (frozen ones at stages 0-2), by name."""
-    inside = {id(p) for f in engine.flats for p in f.params}
-    for name, p in engine.module.named_parameters():
+    inside = {id(p) for f in flats for p in f.params}
+    for name, p in module.named_parameters():
         if id(p) not in inside:
             yield name, p
 
 
-def replicated_entries(engine: Engine, names: ModelNames) -> list[ShardEntry]:
-    """This rank's part of each parameter outside flat buffers (an even split over the ranks)
-    and, on rank 0, every buffer whole."""
-    n, r = engine.group.size, engine.group.rank
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.is_floating_point() else t
+
+
+def replicated_entries(
+    module: nn.Module, flats: list[FlatParam], names: ModelNames, rank: int, size: int
+) -> list[ShardEntry]:
+    """This rank's part of each parameter outside flat buffers (an even flat split over the
+    ``size`` ranks) and, on rank 0, every buffer whole."""
     entries = []
-    for name, p in outside_params(engine):
-        lo, hi = even_range(p.numel(), n, r)
-        flat = p.detach().reshape(-1)[lo:hi]
-        entries.append(
-            ShardEntry(
-                model_key(name),
-                tuple(p.shape),
-                lo,
-                flat.float() if flat.is_floating_point() else flat,
-            )
-        )
-    if r == 0:
+    for name, p in outside_params(module, flats):
+        lo, hi = even_range(p.numel(), size, rank)
+        flat = _fp32(p.detach().reshape(-1)[lo:hi])
+        entries += entries_of_flat_range(model_key(name), tuple(p.shape), lo, flat)
+    if rank == 0:
         for name, b in names.buffers.items():
-            flat = b.detach().reshape(-1)
-            entries.append(
-                ShardEntry(
-                    buffer_key(name),
-                    tuple(b.shape),
-                    0,
-                    flat.float() if flat.is_floating_point() else flat,
-                )
-            )
+            whole = _fp32(b.detach())
+            entries.append(ShardEntry(buffer_key(name), tuple(b.shape), (0,) * b.dim(), whole))
     return entries
 
 
-def check_model_matches(reader: CheckpointReader, engine: Engine, names: ModelNames) -> None:
+def check_model_matches(reader: CheckpointReader, module: nn.Module, names: ModelNames) -> None:
     """Every parameter and buffer is stored with its shape, and nothing else is; else
     ValueError naming the first differences."""
-    expected = {model_key(n): tuple(p.shape) for n, p in engine.module.named_parameters()}
+    expected = {model_key(n): tuple(p.shape) for n, p in module.named_parameters()}
     expected.update({buffer_key(n): tuple(b.shape) for n, b in names.buffers.items()})
     stored = {
-        n: reader.full_shape(n)
+        n: reader.global_shape(n)
         for n in reader.names()
         if n.startswith((MODEL_PREFIX, BUFFER_PREFIX))
     }
@@ -241,13 +236,17 @@ def _group_of(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
 
 
 def load_flats(
-    engine: Engine, reader: CheckpointReader, names: ModelNames, scalars: ScalarStates
+    flats: list[FlatParam],
+    optimizer: torch.optim.Optimizer,
+    reader: CheckpointReader,
+    names: ModelNames,
+    scalars: ScalarStates,
 ) -> None:
     """Fill every master range and optimizer piece this rank holds from ``reader``.
 
     The parameters themselves are refreshed afterwards by ``publish_master``."""
-    optim_keys, group_of = _optim_keys(reader), _group_of(engine.optimizer)
-    for f in engine.flats:
+    optim_keys, group_of = _optim_keys(reader), _group_of(optimizer)
+    for f in flats:
         slot_name = _slot_names(f, names)
         with torch.no_grad():
             for pc in pieces_in(f.slots, f.opt_start, f.opt_stop):
@@ -266,15 +265,17 @@ def load_flats(
             on_device = bool(group.get("capturable") or group.get("fused"))
             for key, spec in scalars.get(name, {}).items():
                 state[key] = _scalar_tensor(spec, op.device if on_device else torch.device("cpu"))
-            engine.optimizer.state.pop(op, None)
+            optimizer.state.pop(op, None)
             if state:
-                engine.optimizer.state[op] = state
+                optimizer.state[op] = state
 
 
-def load_replicated(engine: Engine, reader: CheckpointReader, names: ModelNames) -> None:
+def load_replicated(
+    module: nn.Module, flats: list[FlatParam], reader: CheckpointReader, names: ModelNames
+) -> None:
     """Load every parameter outside flat buffers and every buffer, whole, on every rank."""
     with torch.no_grad():
-        for name, p in outside_params(engine):
+        for name, p in outside_params(module, flats):
             p.data.copy_(reader.read_full(model_key(name)).reshape(p.shape))
         for name, b in names.buffers.items():
             b.data.copy_(reader.read_full(buffer_key(name)).reshape(b.shape))

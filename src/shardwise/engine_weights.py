@@ -9,21 +9,16 @@ them needs a process group.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from shardwise.checkpoint.durable import fsync_dir
-from shardwise.checkpoint.engine_shards import BUFFER_PREFIX, MODEL_PREFIX, ModelNames
-from shardwise.checkpoint.engine_trainer import ENGINE_FORMAT
-from shardwise.checkpoint.errors import CheckpointError
+from shardwise.checkpoint.files import save_safetensors
+from shardwise.checkpoint.layout import CheckpointError
 from shardwise.checkpoint.reader import CheckpointReader
-
-if TYPE_CHECKING:
-    from shardwise.engine import Engine
+from shardwise.engine_run_state import ENGINE_FORMAT, CheckpointableEngine
+from shardwise.zero.checkpoint_entries import BUFFER_PREFIX, MODEL_PREFIX, ModelNames
 
 log = logging.getLogger("shardwise.checkpoint")
 
@@ -52,19 +47,13 @@ def export_model_state(path: Path | str, out_file: Path | str) -> list[str]:
     ``model.load_state_dict(safetensors.torch.load_file(out_file))`` (strict). Returns the keys.
     """
     state = read_model_state(path)
-    out = Path(out_file)
-    tmp = out.with_name(out.name + ".tmp")
-    save_file(state, str(tmp), metadata={"format": "pt"})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
-    fsync_dir(out.parent.resolve())
-    log.info("exported %d tensors of %s to %s", len(state), path, out)
+    save_safetensors(out_file, state)
+    log.info("exported %d tensors of %s to %s", len(state), path, out_file)
     return sorted(state)
 
 
 def load_pretrained(
-    engine: Engine, path_or_state_dict: Path | str | dict[str, torch.Tensor]
+    engine: CheckpointableEngine, path_or_state_dict: Path | str | dict[str, torch.Tensor]
 ) -> None:
     """Start ``engine`` from full model weights; call on every rank (each reads all of them).
 
