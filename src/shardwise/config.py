@@ -292,5 +292,8 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
 def _check_range(name: str, value: Any, low: int, high: int) -> None:
     if value is None or low <= value <= high:
         return
-    bound = f">= {low}" if high == COUNT_MAX else f"in {low}..{high}"
+    if high == COUNT_MAX:
+        bound = f">= {low}" if value < low else f"<= {high} (2**31 - 1)"
+    else:
+        bound = f"in {low}..{high}"
     raise ValueError(f"{name} must be an int {bound}, got {value!r}")

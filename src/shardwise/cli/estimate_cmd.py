@@ -21,6 +21,12 @@ from shardwise.estimate import (
 from shardwise.models.gpt import MODEL_SIZES, GPTConfig
 from shardwise.tp import estimate as tp_estimate
 
+MAX_PARAMS = 10**15
+"""Largest --params accepted (a thousand times the largest models trained)."""
+MAX_WORLD = 10**7
+MAX_TOKENS = 10**9
+"""Largest micro-batch, sequence length, or their product, accepted."""
+
 _COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
 
@@ -32,7 +38,25 @@ def parse_count(text: str) -> int:
     value = float(m.group(1)) * _COUNT_SUFFIX[m.group(2).lower()]
     if not math.isfinite(value) or value < 1:
         raise ValueError(f"--params must be at least 1, got {text!r}")
+    if value > MAX_PARAMS:
+        raise ValueError(f"--params {text} is beyond any model: at most {MAX_PARAMS:.0e}")
     return round(value)
+
+
+def _check_sizes(args: argparse.Namespace) -> None:
+    """Counts that cannot describe a real run are refused before any arithmetic."""
+    for flag, value, high in (
+        ("--world-size", args.world_size, MAX_WORLD),
+        ("--micro-batch", args.micro_batch, MAX_TOKENS),
+        ("--seq-len", args.seq_len, MAX_TOKENS),
+    ):
+        if value is not None and not 1 <= value <= high:
+            raise ValueError(f"{flag} must be in 1..{high:,}, got {value}")
+    if args.seq_len is not None and args.micro_batch * args.seq_len > MAX_TOKENS:
+        raise ValueError(
+            f"--micro-batch {args.micro_batch} x --seq-len {args.seq_len} tokens is more than "
+            f"{MAX_TOKENS:,} per micro-batch"
+        )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -124,8 +148,7 @@ def _peak_table(states: dict[int, int], act: int, act_ckpt: int, device: int | N
 
 
 def run_estimate(args: argparse.Namespace) -> int:
-    if args.world_size < 1:
-        raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+    _check_sizes(args)
     if args.precision not in PRECISIONS:
         raise ValueError(
             f"--precision must be one of {', '.join(PRECISIONS)}, got {args.precision!r}"

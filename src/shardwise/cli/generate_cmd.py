@@ -6,6 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
+MAX_TOKENS = 100_000
+"""Most bytes one ``generate`` produces (one forward pass each, on the CPU)."""
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -16,7 +19,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("run_dir", type=Path, help="the run directory (holds config.json)")
     p.add_argument("--prompt", default="def ", help="text to continue (default 'def ')")
-    p.add_argument("--tokens", type=int, default=200, help="bytes to generate (default 200)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=200,
+        help=f"bytes to generate (default 200, at most {MAX_TOKENS:,})",
+    )
     p.add_argument(
         "--temperature",
         type=float,
@@ -32,6 +40,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     from shardwise.train.sampling import sample
+
+    if args.tokens > MAX_TOKENS:
+        raise ValueError(
+            f"--tokens {args.tokens} is more than {MAX_TOKENS:,}: generate in pieces "
+            "(each piece continues the last one's text as its --prompt)"
+        )
 
     out = sample(
         args.run_dir,

@@ -15,9 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from shardwise.cli import train_preflight as preflight
 from shardwise.cli.launch import DEFAULT_GRACE_S, add_launch_args, check_launch_args, launch
 from shardwise.cli.run_agent import LaunchResult
-from shardwise.config import PRECISIONS, Config
+from shardwise.config import COUNT_MAX, PRECISIONS, Config
 from shardwise.train.lock import RunDirLock
 from shardwise.train.metrics import read_metrics
 from shardwise.train.options import DEFAULT_STEPS, RunConfig, TrainOptions
@@ -130,8 +131,9 @@ def _check_engine_flags(args: argparse.Namespace) -> None:
         )
     for flag in ("micro_batch", "grad_accum"):
         value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+        if value is not None and not 1 <= value <= COUNT_MAX:
+            bound = ">= 1" if value < 1 else f"<= {COUNT_MAX}"
+            raise ValueError(f"--{flag.replace('_', '-')} must be {bound}, got {value}")
     if args.checkpoint_every is not None and args.checkpoint_every < 0:
         raise ValueError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
 
@@ -289,35 +291,20 @@ def _stop_message(run_dir: RunDir, result: LaunchResult, before: int | None) -> 
     return result.code
 
 
-def _open_run_dir(run_dir: RunDir) -> None:
-    try:
-        run_dir.root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"cannot create the run directory {run_dir.root}: {exc.strerror}") from exc
-    if not os.access(run_dir.root, os.W_OK):
-        raise ValueError(f"the run directory {run_dir.root} is not writable: choose another")
-
-
-def _write_config(run: RunConfig, run_dir: RunDir) -> None:
-    try:
-        run.write(run_dir.config)
-    except OSError as exc:
-        raise ValueError(
-            f"cannot write {run_dir.config}: {exc.strerror} (is the disk full or read-only?)"
-        ) from exc
-
-
 def run_train(args: argparse.Namespace) -> int:
     _check_engine_flags(args)
     run, run_dir = _resumed_run(args) if args.resume else _new_run(args)
-    _open_run_dir(run_dir)
+    if not args.resume:
+        preflight.check_data(run)
+        preflight.check_memory(run, args.nproc_per_node)
+    preflight.open_run_dir(run_dir)
     lock = RunDirLock(run_dir.root) if args.node_rank == 0 else None
     try:
         if lock is not None:
             _lock(lock)
         if not args.resume and run_dir.exists():  # another job started it meanwhile
             raise ValueError(f"{run_dir.root} already holds a run: pass --resume to continue it")
-        _write_config(run, run_dir)
+        preflight.write_config(run, run_dir)
         print(
             f"shardwise train: {run.train.model} model, {run.world_size} ranks, "
             f"ZeRO-{run.engine.zero_stage}, {run.engine.precision}, {run.train.steps} steps of "

@@ -107,8 +107,9 @@ def _read_text_bytes(path: Path) -> bytes | None:
 
 
 def _is_val(rel_path: str, val_fraction: float) -> bool:
-    # crc32 of the relative path is stable across runs, machines and Python's hash seed.
-    return zlib.crc32(rel_path.encode("utf-8")) % 10_000 < val_fraction * 10_000
+    # crc32 of the relative path is stable across runs, machines and Python's hash seed; the
+    # path's bytes as the filesystem has them (a name need not be UTF-8)
+    return zlib.crc32(os.fsencode(rel_path)) % 10_000 < val_fraction * 10_000
 
 
 def _split(docs: list[tuple[str, bytes]], val_fraction: float) -> tuple[bytes, bytes]:
@@ -172,7 +173,8 @@ def load_corpus(
             break
     if total < 2:
         raise ValueError(
-            f"corpus at {name!r} has {total} bytes of UTF-8 text: point it at text files"
+            f"corpus at {name!r} has {total} bytes of UTF-8 text ({len(files)} file(s) read; "
+            "empty, binary and non-UTF-8 files are skipped): point --data at text files"
         )
     train, val = _split(docs, val_fraction)
     logger.info(
@@ -184,3 +186,17 @@ def load_corpus(
         val=torch.frombuffer(bytearray(val), dtype=torch.uint8),
         num_docs=len(docs),
     )
+
+
+def check_corpus_fits(corpus: Corpus, seq_len: int) -> None:
+    """Raise ``ValueError`` unless both splits hold at least one sequence of ``seq_len`` tokens
+    plus its target (what the batch sampler needs)."""
+    need = seq_len + 1
+    for split, tokens in (("training", corpus.train), ("validation", corpus.val)):
+        if tokens.numel() < need:
+            total = corpus.train.numel() + corpus.val.numel()
+            raise ValueError(
+                f"corpus at {corpus.name!r} is too small: its {split} split has "
+                f"{tokens.numel()} bytes, and a sequence needs {need} ({total} bytes in all; "
+                f"{VAL_FRACTION:.0%} go to validation): add text or lower --seq-len"
+            )

@@ -1,0 +1,82 @@
+"""What ``shardwise train`` checks in the launcher before a rank starts, so that a mistake the
+user can fix is one line and exit code 2, not a traceback from every rank: the corpus holds
+enough text, one rank's memory fits the machine, the run directory can be written."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import torch
+
+from shardwise.data.corpus import check_corpus_fits, load_corpus
+from shardwise.estimate import estimate_activations, estimate_model_states, format_bytes
+from shardwise.train.options import RunConfig
+from shardwise.train.rundir import RunDir
+
+
+def check_data(run: RunConfig) -> None:
+    """Load the corpus as the ranks will (only for ``--data`` or ``--max-bytes``: the default,
+    whole standard library is known to be large enough) and check both splits hold a sequence."""
+    opts = run.train
+    if opts.data is None and opts.max_bytes is None:
+        return
+    corpus = load_corpus(opts.data, max_bytes=opts.max_bytes)
+    check_corpus_fits(corpus, run.model.seq_len)
+
+
+def _memory_per_rank(nproc_per_node: int) -> tuple[int, str]:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory, "each GPU's memory"
+    total = psutil.virtual_memory().total
+    return (
+        total // nproc_per_node,
+        f"this machine's {format_bytes(total)} shared by {nproc_per_node} ranks",
+    )
+
+
+def check_memory(run: RunConfig, nproc_per_node: int) -> None:
+    """Refuse a run whose estimated model states plus activations of one rank exceed the
+    memory a rank has (an absurd ``--micro-batch`` fails here, not after allocating)."""
+    cfg, eng = run.model, run.engine
+    act = estimate_activations(
+        cfg,
+        run.micro_batch,
+        cfg.seq_len,
+        eng.precision,
+        checkpointing=bool(eng.activation_checkpointing),
+    )
+    states = estimate_model_states(
+        cfg.param_count(),
+        run.world_size,
+        eng.precision,
+        offload=eng.offload_optimizer,
+        reduce_dtype=eng.reduce_dtype,
+    )[eng.zero_stage].total_bytes
+    have, where = _memory_per_rank(nproc_per_node)
+    if act + states > have:
+        raise ValueError(
+            f"one rank needs about {format_bytes(act + states)} ({format_bytes(act)} of "
+            f"activations for --micro-batch {run.micro_batch} x {cfg.seq_len} tokens), more than "
+            f"{where}: lower --micro-batch or --seq-len, or use --activation-checkpointing"
+        )
+
+
+def open_run_dir(run_dir: RunDir) -> None:
+    """Create the run directory; ``ValueError`` when it cannot be created or written."""
+    try:
+        run_dir.root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cannot create the run directory {run_dir.root}: {exc.strerror}") from exc
+    if not os.access(run_dir.root, os.W_OK):
+        raise ValueError(f"the run directory {run_dir.root} is not writable: choose another")
+
+
+def write_config(run: RunConfig, run_dir: RunDir) -> None:
+    """Write ``config.json``; ``ValueError`` naming the cause (read-only, disk full)."""
+    try:
+        run.write(run_dir.config)
+    except OSError as exc:
+        raise ValueError(
+            f"cannot write {run_dir.config}: {exc.strerror} (is the disk full or read-only?)"
+        ) from exc
