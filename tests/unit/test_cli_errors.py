@@ -11,22 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_train_cli import _error_line
 
-from shardwise.cli.main import main
 from shardwise.config import Config
 from shardwise.data import load_corpus
 from shardwise.train.options import RunConfig, TrainOptions
 
 TINY = ["--model", "tiny", "--steps", "2", "--eval-every", "0"]
-
-
-def _error_line(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    assert main(list(argv)) == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith(f"shardwise {argv[0]}: error: "), err
-    return lines[0]
 
 
 def _train_error(capsys: pytest.CaptureFixture[str], run_dir: Path, *argv: str) -> str:
