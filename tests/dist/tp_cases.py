@@ -308,3 +308,62 @@ def bad_plans(tp_size: int) -> None:
     )
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), f"a failed parallelize changed {k}"
+
+
+def _ref_steps(ref, data, clip):
+    """One process on the global batches: losses, gradient norms (before clipping), state."""
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
+    losses, norms = [], []
+    for x, y in data:
+        loss = ref(x, y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(list(ref.parameters()), clip)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms
+
+
+def engine_parity(dp: int, tp_size: int, stage: int, sp: bool, recompute: bool = False) -> list:
+    """dp x tp through ``shardwise.initialize`` (ZeRO over dp) vs one process, clipping active."""
+    import shardwise
+
+    mesh = Mesh(dp=dp, tp=tp_size)
+    torch.manual_seed(0)
+    model = GPT(gpt_config(vocab=37))
+    ref = copy.deepcopy(model)
+    data = [
+        (torch.cat([b[0] for b in bs]), torch.cat([b[1] for b in bs]))
+        for bs in zip(*(batches(5, 37, ignore=False, seed=s) for s in range(dp)))
+    ]
+    clip = 0.05
+    ref_losses, ref_norms = _ref_steps(ref, data, clip)
+    assert all(n > clip for n in ref_norms), "clipping must be active"
+    tp = swtp.parallelize(model, mesh, tp_plan(), sequence_parallel=sp)
+    cfg = shardwise.Config(
+        zero_stage=stage,
+        gradient_clipping=clip,
+        reduce_bucket_bytes=4096,
+        activation_checkpointing=["Block"] if recompute else None,
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
+    engine = shardwise.initialize(model, opt, cfg, group=mesh)
+    me = mesh.rank("dp")
+    for step, (x, y) in enumerate(data):
+        loss = engine(x.chunk(dp)[me], y.chunk(dp)[me])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach() / dp
+        shardwise.comm.all_reduce(total, group=mesh.group("dp"))
+        _close(total, torch.tensor(ref_losses[step]), f"loss at step {step}")
+        _close(torch.tensor(engine.grad_norm), torch.tensor(ref_norms[step]), f"norm {step}")
+    want = ref.state_dict()
+    got = engine.state_dict()  # this rank's tp shards, whole over dp
+    for name, p in tp.placements.items():
+        _close(got[name], p.shard(want[name]), f"{name} after {len(data)} steps")
+    full = tp.gather_state_dict(got)  # the single-process model again, padding gone
+    assert full.keys() == want.keys()
+    for name in want:
+        assert full[name].shape == want[name].shape, name
+        _close(full[name], want[name], f"full {name}")
+    return ref_losses

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from shardwise.mesh import Mesh
+from shardwise.placement import mark_sharded
 from shardwise.tp import mappings, rng, state
 from shardwise.tp.layers import (
     ColumnParallelLinear,
@@ -67,6 +68,11 @@ class TensorParallel:
         if placement.sharded:
             with torch.no_grad():
                 param.data = placement.shard(param.data)
+            # tell the engine: ZeRO shards it over dp on top, the gradient norm sums it over tp
+            assert placement.dim is not None
+            full = placement.full_shape[placement.dim]
+            padded = full if placement.padded else None
+            mark_sharded(param, self.group, placement.dim, full_size=padded)
 
     def _shard(self, param: nn.Parameter, name: str, full: tuple[int, ...], dim: int) -> None:
         self._place(param, TPPlacement(name, full, dim, self.tp_size, self.tp_rank), name)
@@ -95,6 +101,17 @@ class TensorParallel:
         Communicates: one all_gather over tp per sharded tensor.
         """
         return state.full_state_dict(self.model, self._by_id, self.group)
+
+    def gather_state_dict(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The full state dict from a tp-local one under the model's names (e.g.
+        ``engine.state_dict()``, whose tensors are this rank's tp shards at full dp size):
+        every tp-sharded entry all_gathered over tp and unpadded. Call on every tp rank."""
+        names = {
+            n: self._by_id[id(t)]
+            for n, t in self.model.state_dict(keep_vars=True).items()
+            if id(t) in self._by_id
+        }
+        return state.gather_state_dict(local, names, self.group)
 
     def load_full_state_dict(self, full: Mapping[str, torch.Tensor]) -> None:
         """Load an unsharded state dict (as ``full_state_dict`` returns): each rank copies in

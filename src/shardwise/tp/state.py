@@ -17,18 +17,35 @@ def full_state_dict(
 ) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every tp-sharded tensor gathered and unpadded (detached
     copies). Communicates: one all_gather over ``group`` per distinct sharded tensor."""
-    gathered: dict[int, torch.Tensor] = {}
+    own = model.state_dict(keep_vars=True)
+    by_name = {name: placements[id(t)] for name, t in own.items() if id(t) in placements}
+    tied = {name: id(t) for name, t in own.items()}
+    return gather_state_dict(own, by_name, group, tied)
+
+
+def gather_state_dict(
+    local: Mapping[str, torch.Tensor],
+    placements: Mapping[str, TPPlacement],
+    group: Group,
+    same: Mapping[str, object] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Gather a tp-local state dict (this rank's shards under the original names, e.g. an
+    engine's ``state_dict()``) into the full one, padding removed. ``same`` maps names that
+    hold one tensor to one key, gathered once. Communicates: one all_gather over ``group`` per
+    distinct sharded entry, in name order (the same on every tp rank)."""
+    done: dict[object, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        p = placements.get(id(t))
+    for name, t in local.items():
+        p = placements.get(name)
         if p is None or not p.sharded:
             out[name] = t.detach().clone()
             continue
-        if id(t) not in gathered:
+        key = name if same is None else same[name]
+        if key not in done:
             assert p.dim is not None
             with torch.no_grad():
-                gathered[id(t)] = p.unpad(mappings.gather_dim(t.detach(), p.dim, group)).clone()
-        out[name] = gathered[id(t)]
+                done[key] = p.unpad(mappings.gather_dim(t.detach(), p.dim, group)).clone()
+        out[name] = done[key]
     return out
 
 
