@@ -120,7 +120,7 @@ class Engine:
 
     def _norm_reduction(self, model: nn.Module) -> NormReduction:
         """Every pipeline stage holds its own layers: with a mesh, the norm also sums over pp."""
-        extra = ()
+        extra: tuple[Group, ...] = ()
         if self.mesh is not None and self.mesh.pp_size > 1:
             extra = (self.mesh.group("pp"),)
         trainable = [p for p in model.parameters() if p.requires_grad]

@@ -62,7 +62,7 @@ def check_same_structure(model: nn.Module, group: Group, device: torch.device) -
     mine = _describe(model)
     digest = hashlib.sha256("\n".join(mine).encode()).digest()[:8]
     value = torch.tensor([int.from_bytes(digest, "little", signed=True)], device=device)
-    if len(set(comm.all_gather(value, group=group).tolist())) == 1:
+    if len({int(v) for v in comm.all_gather_list(value, group=group)}) == 1:
         return
     every = comm.all_gather_object(mine, group=group)
     first = every[0]

@@ -109,6 +109,12 @@ def gathered_parameters(
     before = [f.full.clone() for f in chosen] if modifier_rank is not None else []
     try:
         yield
+        freed = [f for f in chosen if f.state is not ParamState.FULL]
+        if freed:
+            raise RuntimeError(
+                f"{len(freed)} flat buffer(s) were sharded again inside gathered_parameters "
+                f"(a forward or backward frees them); run forward and backward outside the block"
+            )
         if modifier_rank is not None:
             _write_back(chosen, before, modifier_rank)
     finally:

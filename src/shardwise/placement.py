@@ -15,6 +15,7 @@ of this, and the global gradient norm sums each parameter once over every axis
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -136,7 +137,7 @@ class NormReduction:
     """
 
     def __init__(
-        self, params: list[torch.Tensor], dp: Group, extra: tuple[Group, ...] = ()
+        self, params: Sequence[torch.Tensor], dp: Group, extra: tuple[Group, ...] = ()
     ) -> None:
         groups: list[Group] = list(extra)
         for p in params:

@@ -147,6 +147,12 @@ def _access_task(stage: int):
     loss = nn.functional.mse_loss(engine(x), y)
     engine.backward(loss)
     out["trained"] = engine.step()
+    out["forward_inside"] = ""
+    try:
+        with engine.gathered_parameters(modifier_rank=0):
+            engine(x)
+    except RuntimeError as e:
+        out["forward_inside"] = str(e)
     out["twice"] = ""
     try:
         shardwise.initialize(model, _sgd(model), shardwise.Config(zero_stage=stage))
@@ -162,6 +168,7 @@ def test_full_parameters_through_gathered_parameters(stage):
         assert out["shape"] == out["clone_shape"] == (8, 4)
         if stage == 3:
             assert out["sum"] != out["sum"]  # NaN: the values live in shards
+            assert "sharded again inside gathered_parameters" in out["forward_inside"]
             for key in ("sd_error", "sub_sd_error"):
                 assert "sharded (ZeRO stage 3)" in out[key]
                 assert "engine.gathered_parameters()" in out[key]

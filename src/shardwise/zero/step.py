@@ -76,10 +76,10 @@ def sharded_step(
     sumsq = global_sumsq(trainable, grads, norm)
     if scaler.update(not math.isfinite(sumsq)) or not math.isfinite(sumsq):
         return StepResult(False, float("nan") if math.isnan(sumsq) else float("inf"))
-    norm = math.sqrt(sumsq) / scale
+    grad_norm = math.sqrt(sumsq) / scale
     coef = 1.0 / scale
     if clip is not None:
-        coef *= min(1.0, clip / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
+        coef *= min(1.0, clip / (grad_norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
     for f, g in zip(trainable, grads):
         if coef != 1.0:
             g.mul_(coef)
@@ -90,7 +90,7 @@ def sharded_step(
     for h in handles:
         if h is not None:
             h.wait()
-    return StepResult(True, norm)
+    return StepResult(True, grad_norm)
 
 
 def zero_grads(flats: list[FlatParam]) -> None:
