@@ -1,0 +1,187 @@
+"""Step time, memory, MFU and scaling of a plan: the cost model.
+
+Per device and step (every term in seconds, ``Prediction.breakdown``):
+
+- compute: FLOPs of forward, backward and recomputation at ``Hardware.flops``;
+- tp: tensor-parallel collectives, not overlapped: 2 all-reduces (or all-gather + reduce-scatter
+  with sequence parallelism, the same bytes) of b*s*h forward and 2 backward per layer and
+  micro-batch, 2 more when full recomputation replays the forward (Narayanan et al. 2021 §3.2);
+- bubble: the schedule's idle share of a stage's compute + tp time (``Plan.bubble_fraction``);
+- p2p: per micro-batch and virtual stage one activation forward and one gradient backward of
+  b*s*h/t elements (Megatron's scatter/gather over tp), not overlapped;
+- dp: gradient reduction (all-reduce; reduce-scatter + all-gather from ZeRO-2; plus the ZeRO-3
+  parameter all-gathers of every micro-batch's forward and backward), minus what hides behind
+  the backward of the last micro-batch (ZeRO-3: behind all compute) when ``dp_overlap``;
+- optimizer: AdamW streaming its states through memory (36 bytes per local parameter).
+
+Collectives are rings over the slowest link of the group: 2(n-1)(alpha + S/n beta) for an
+all-reduce of S bytes, half that for reduce-scatter and all-gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.comm.schedules import LinkCost
+from shardwise.costmodel.hardware import Hardware
+from shardwise.costmodel.plan import PRECISIONS, Plan
+from shardwise.costmodel.shapes import ModelShape
+
+GRAD_BYTES = 4  # fp32 gradient accumulation and reduction
+OPTIMIZER_BYTES_TOUCHED = 36  # AdamW: read+write fp32 master, m, v; read grad; write weight
+MASTER_AND_ADAM_BYTES = 12  # fp32 master copy + two fp32 moments per parameter
+
+
+def ring_seconds(link: LinkCost, nbytes: float, n: int, op: str = "all_reduce") -> float:
+    """A ring collective of ``nbytes`` (the full tensor) over ``n`` ranks."""
+    if n <= 1:
+        return 0.0
+    rounds = 2 * (n - 1) if op == "all_reduce" else n - 1
+    return rounds * (link.alpha_s + nbytes / n * link.beta_s_per_byte)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One plan's predicted step on one hardware."""
+
+    plan: Plan
+    breakdown: dict[str, float]  # seconds: compute, tp, bubble, p2p, dp, optimizer
+    memory: dict[str, float]  # bytes per device: states, activations, total
+    tokens_per_step: int
+    model_flops_per_step: float
+    hardware_flops_per_step: float
+    peak_flops: float
+    memory_capacity: float
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.breakdown.values())
+
+    @property
+    def tokens_per_s_per_device(self) -> float:
+        return self.tokens_per_step / self.step_s / self.plan.devices
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops_per_step / self.step_s / self.plan.devices / self.peak_flops
+
+    @property
+    def hardware_flops_per_device(self) -> float:
+        """Achieved FLOP/s per device counting recomputation (Megatron's "teraFLOP/s")."""
+        return self.hardware_flops_per_step / self.step_s / self.plan.devices
+
+    @property
+    def efficiency(self) -> float:
+        """Compute over step time: the share of the step doing the model's work."""
+        return self.breakdown["compute"] / self.step_s
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["total"] <= self.memory_capacity
+
+
+def _stage_params(shape: ModelShape, plan: Plan) -> float:
+    """Parameters on one device of the heaviest stage (embeddings on the first/last stage)."""
+    emb = shape.embedding_params() if plan.pp == 1 else shape.vocab * shape.hidden
+    return (shape.layers / plan.pp * shape.layer_params() + emb) / plan.tp
+
+
+def _flops_per_micro_batch(shape: ModelShape, plan: Plan) -> tuple[float, float]:
+    """(model, hardware) FLOPs of one micro-batch on one device."""
+    tokens = plan.micro_batch * shape.seq_len
+    layers = shape.layers / plan.pp
+    layer_fwd = tokens * layers * shape.layer_forward_flops_per_token()
+    logits_fwd = tokens * 2 * shape.hidden * shape.vocab / plan.pp
+    model = 3 * (layer_fwd + logits_fwd) / plan.tp
+    attention_scores = tokens * layers * 4 * shape.seq_len * shape.hidden  # QK^T and AV
+    recomputed = {"none": 0.0, "full": layer_fwd, "selective": attention_scores}[plan.recompute]
+    return model, model + recomputed / plan.tp
+
+
+def _tp_seconds(shape: ModelShape, plan: Plan, hw: Hardware) -> float:
+    if plan.tp == 1:
+        return 0.0
+    nbytes = plan.micro_batch * shape.seq_len * shape.hidden * PRECISIONS[plan.precision]
+    per_layer = 4 + (2 if plan.recompute == "full" else 0)
+    ar = ring_seconds(hw.link(1, plan.tp), nbytes, plan.tp)
+    return plan.micro_batches * shape.layers / plan.pp * per_layer * ar
+
+
+def _p2p_seconds(shape: ModelShape, plan: Plan, hw: Hardware) -> float:
+    if plan.pp == 1:
+        return 0.0
+    elems = plan.micro_batch * shape.seq_len * shape.hidden / plan.tp
+    link = hw.link(plan.dp * plan.tp, 2)
+    msgs = 2 * plan.virtual_stages * plan.micro_batches
+    return msgs * link.seconds(int(elems * PRECISIONS[plan.precision]))
+
+
+def _dp_seconds(shape: ModelShape, plan: Plan, hw: Hardware, compute_s: float) -> float:
+    if plan.dp == 1:
+        return 0.0
+    params = _stage_params(shape, plan)
+    link = hw.link(plan.tp, plan.dp)
+    grads = params * GRAD_BYTES
+    weights = params * PRECISIONS[plan.precision]
+    if plan.zero_stage <= 1:
+        comm = ring_seconds(link, grads, plan.dp)
+    else:
+        comm = ring_seconds(link, grads, plan.dp, "reduce_scatter")
+        gathers = 1 if plan.zero_stage == 2 else 2 * plan.micro_batches
+        comm += gathers * ring_seconds(link, weights, plan.dp, "all_gather")
+    if not plan.dp_overlap:
+        return comm
+    window = compute_s if plan.zero_stage == 3 else compute_s / plan.micro_batches * 2 / 3
+    return max(0.0, comm - window)
+
+
+def _memory(shape: ModelShape, plan: Plan) -> dict[str, float]:
+    """Bytes per device: model states by ZeRO stage, activations (Korthikanti et al. 2022)."""
+    p, d = _stage_params(shape, plan), plan.dp
+    w = PRECISIONS[plan.precision]
+    states = p * (
+        w / (d if plan.zero_stage == 3 else 1)
+        + GRAD_BYTES / (d if plan.zero_stage >= 2 else 1)
+        + (MASTER_AND_ADAM_BYTES - (4 if w == 4 else 0)) / (d if plan.zero_stage >= 1 else 1)
+    )
+    sbh = shape.seq_len * plan.micro_batch * shape.hidden
+    t, a, s, h = plan.tp, shape.heads, shape.seq_len, shape.hidden
+    attn = 0.0 if plan.recompute != "none" else 5 * a * s / h
+    if plan.recompute == "full":
+        per_layer = 2 * sbh / (t if plan.sequence_parallel else 1)
+    elif plan.sequence_parallel:
+        per_layer = sbh * (34 + attn) / t
+    else:
+        per_layer = sbh * (10 + 24 / t + attn / t)
+    per_layer *= w / 2  # the formulas count 2-byte activations
+    logits = shape.seq_len * plan.micro_batch * shape.vocab * 4 / t  # fp32 for the loss
+    acts = shape.layers / plan.pp * plan.in_flight_micro_batches() * per_layer + logits
+    return {"states": states, "activations": acts, "total": states + acts}
+
+
+def predict(shape: ModelShape, plan: Plan, hw: Hardware) -> Prediction:
+    """The predicted step of ``plan`` for ``shape`` on ``hw`` (see the module docstring)."""
+    model_mb, hw_mb = _flops_per_micro_batch(shape, plan)
+    compute = plan.micro_batches * hw_mb / hw.flops
+    tp = _tp_seconds(shape, plan, hw)
+    p2p = _p2p_seconds(shape, plan, hw)
+    opt_params = _stage_params(shape, plan) / (plan.dp if plan.zero_stage >= 1 else 1)
+    breakdown = {
+        "compute": compute,
+        "tp": tp,
+        "bubble": plan.bubble_fraction() * (compute + tp),
+        "p2p": p2p,
+        "dp": _dp_seconds(shape, plan, hw, compute),
+        "optimizer": opt_params * OPTIMIZER_BYTES_TOUCHED / hw.memory_bw_bytes_per_s,
+    }
+    devices = plan.devices
+    return Prediction(
+        plan=plan,
+        breakdown=breakdown,
+        memory=_memory(shape, plan),
+        tokens_per_step=plan.global_batch * shape.seq_len,
+        model_flops_per_step=plan.micro_batches * model_mb * devices,
+        hardware_flops_per_step=plan.micro_batches * hw_mb * devices,
+        peak_flops=hw.peak_flops,
+        memory_capacity=hw.memory_bytes,
+    )
