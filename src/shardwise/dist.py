@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -247,5 +248,15 @@ def shutdown() -> None:
         # can abort that peer.
         if dist.get_world_size() > 1:
             barrier()
+        for hook in _BEFORE_LEAVING:
+            hook()  # e.g. background checkpoint saves, whose groups go away next
         dist.destroy_process_group()
     _ctx = None
+
+
+_BEFORE_LEAVING: list[Callable[[], None]] = []
+
+
+def before_leaving(hook: Callable[[], None]) -> None:
+    """Run ``hook`` in ``shutdown``, before the process groups are destroyed."""
+    _BEFORE_LEAVING.append(hook)

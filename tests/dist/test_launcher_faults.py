@@ -9,7 +9,10 @@ import socket
 import time
 
 import psutil
+import pytest
 from launcher_procs import SPIN, Cli, assert_all_gone, free_port, wait_ranks
+
+from shardwise.checkpoint import verify
 
 
 def test_kill_9_of_the_launcher_takes_its_ranks_along():
@@ -165,3 +168,20 @@ def test_a_rendezvous_port_held_by_another_program_is_refused():
         finally:
             cli.cleanup()
     assert not psutil.Process().children(recursive=True)
+
+
+@pytest.mark.parametrize("shutdown", [False, True], ids=["at-exit", "after-shutdown"])
+def test_an_unwaited_async_save_is_finished_at_the_end(tmp_path, shutdown):
+    root = tmp_path / "ckpt"
+    args = ["--checkpoint-dir", str(root)] + (["--shutdown"] if shutdown else [])
+    cli = Cli("run", "--nproc-per-node", "2", str(SPIN.parent / "async_exit.py"), *args)
+    try:
+        assert cli.finish(120) == 0, cli.output[-3000:]
+    finally:
+        cli.cleanup()
+    when = "at shardwise.shutdown()" if shutdown else "at exit"
+    for rank in (0, 1):
+        assert f"rank {rank}: the checkpoint of step 1 was still being saved {when}" in cli.output
+        assert f"rank {rank}: finished: step 1 committed" in cli.output
+    assert "terminate called" not in cli.output and "Traceback" not in cli.output
+    assert verify(root / "step-00000001").step == 1

@@ -6,13 +6,16 @@ constructed, so its collectives never interleave with the training step's on the
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import weakref
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from shardwise import comm
+from shardwise import dist as sw_dist
 from shardwise.checkpoint.entries import ShardEntry, prepare_entries
 from shardwise.checkpoint.rank_state import encode_rank_state
 from shardwise.checkpoint.writer import check_trainer_state, save_snapshot
@@ -21,6 +24,11 @@ from shardwise.comm.ops import GroupLike
 log = logging.getLogger("shardwise.checkpoint")
 
 DEFAULT_TIMEOUT_S = 1800.0
+
+EXIT_WAIT_S = 600.0
+"""How long the end of the process (or ``shardwise.shutdown``) waits for a pending save."""
+
+_LIVE: weakref.WeakSet[AsyncCheckpointWriter] = weakref.WeakSet()
 
 
 class AsyncCheckpointWriter:
@@ -62,6 +70,8 @@ class AsyncCheckpointWriter:
         self.last_committed: Path | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._step: int | None = None  # of the save in flight
+        _LIVE.add(self)
 
     @property
     def pending(self) -> bool:
@@ -95,6 +105,7 @@ class AsyncCheckpointWriter:
             blob = encode_rank_state(rank_state)
         except Exception as exc:  # raised on every rank by the protocol, via wait()
             error = exc
+        self._step = step
         self._thread = threading.Thread(
             target=self._run,
             args=(step, snapshot, state, blob, error),
@@ -161,3 +172,36 @@ class AsyncCheckpointWriter:
             self.close()
         elif self._thread is not None:  # already failing: wait, keep the first error
             self._thread.join()
+
+    def finish_unwaited(self, timeout_s: float, when: str) -> None:
+        """Finish a save nobody waited for (or abandon it after ``timeout_s``) and log which:
+        the end of the process must neither cut it nor hang on it."""
+        if self._thread is None:
+            return
+        step, rank = self._step, self._rank
+        log.warning(
+            "rank %d: the checkpoint of step %s was still being saved %s (call "
+            "wait_for_checkpoint() before the end): finishing it",
+            rank,
+            step,
+            when,
+        )
+        try:
+            path = self.wait(timeout_s)
+        except TimeoutError:
+            log.error("rank %d: abandoned the save of step %s after %g s", rank, step, timeout_s)
+        except Exception as exc:  # its error is logged; the process is ending anyway
+            log.error("rank %d: the save of step %s failed, not committed: %s", rank, step, exc)
+        else:
+            log.warning("rank %d: finished: step %s committed at %s", rank, step, path)
+
+
+def finish_pending_saves(when: str = "at exit", timeout_s: float = EXIT_WAIT_S) -> None:
+    """Finish (or abandon, after ``timeout_s``) every background save of this process that
+    nobody waited for; runs at interpreter exit and before ``shardwise.shutdown`` leaves."""
+    for writer in list(_LIVE):
+        writer.finish_unwaited(timeout_s, when)
+
+
+atexit.register(finish_pending_saves)
+sw_dist.before_leaving(lambda: finish_pending_saves("at shardwise.shutdown()"))
