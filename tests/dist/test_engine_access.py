@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import shardwise
+from shardwise.recompute import apply_activation_checkpointing
 from shardwise.testing import run_on_ranks
 
 
@@ -113,6 +114,97 @@ def test_backward_from_received_gradient_matches_one_process(stage):
         assert "backward needs a scalar loss, got shape (3, 8); pass grad_tensors" in bad[0]
         assert "grad_tensors[0] must be a tensor of shape (3, 8), got (1, 8)" in bad[1]
         assert "tensors[0] does not require grad" in bad[2]
+
+
+def _reference_whole(clip: float) -> tuple[list[float], dict]:
+    model = _net()
+    opt = _sgd(model)
+    norms = []
+    for batch in _data(1):
+        x, y = batch[0]
+        nn.functional.mse_loss(model(x), y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+    return norms, {k: v.clone() for k, v in model.state_dict().items() if k != "table"}
+
+
+def _pipeline_task(stage: int, clip: float):
+    """Two pipeline stages on a pp=2 mesh: fc1 on rank 0, fc2 and the loss on rank 1; the
+    activations and their gradients travel by send/recv."""
+    torch.set_num_threads(1)
+    mesh = shardwise.Mesh(pp=2, dp=1)
+    pp, first = mesh.group("pp"), mesh.rank("pp") == 0
+    full = _net()
+    part = full.fc1 if first else full.fc2
+    cfg = shardwise.Config(zero_stage=stage, gradient_clipping=clip)
+    engine = shardwise.initialize(part, _sgd(part), cfg, group=mesh)
+    for batch in _data(1):
+        x, y = batch[0]
+        if first:
+            h = torch.tanh(engine(x))
+            shardwise.send(h.detach().contiguous(), dst=1, group=pp)
+            grad = torch.empty_like(h)
+            shardwise.recv(grad, src=1, group=pp)
+            engine.backward(h, grad)
+        else:
+            h = torch.empty(x.shape[0], 8)
+            shardwise.recv(h, src=0, group=pp)
+            h.requires_grad_()
+            engine.backward(nn.functional.mse_loss(engine(h), y))
+            shardwise.send(h.grad, dst=0, group=pp)
+        assert engine.step()
+    prefix = "fc1." if first else "fc2."
+    return engine.grad_norm, {prefix + k: v for k, v in engine.state_dict().items()}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_two_stage_pipeline_matches_one_process(stage):
+    """The norm sums over pp (each stage holds its own layers): clipping and the update of
+    both stages equal one process training the whole model."""
+    clip = 0.05
+    norms, ref = _reference_whole(clip)
+    assert min(norms) > clip
+    states = {}
+    for norm, state in run_on_ranks(2, _pipeline_task, stage, clip):
+        assert norm == pytest.approx(norms[-1], rel=1e-5)
+        states.update(state)
+    assert sorted(states) == sorted(ref)
+    for k, v in ref.items():
+        torch.testing.assert_close(states[k], v)
+
+
+def _recompute_task(outside: bool):
+    torch.set_num_threads(1)
+    from zero_cases import batches, make_gpt
+
+    model = make_gpt()
+    cfg = shardwise.Config(zero_stage=3)
+    if outside:
+        apply_activation_checkpointing(model, ["Block"])
+    else:
+        cfg = cfg.replace(activation_checkpointing=["Block"])
+    engine = shardwise.initialize(model, _sgd(model), cfg)
+    calls = []
+    for m in model.modules():
+        if type(m).__name__ == "Block":
+            m.register_forward_hook(lambda *_: calls.append(1))
+    x, y = batches("gpt", 1, 1)[0][0]
+    engine.backward(engine(x, y))
+    engine.step()
+    return engine.state_dict(), len(calls)
+
+
+def test_recompute_applied_outside_equals_the_config_path():
+    """Both run every Block's forward twice (forward, then recompute in backward) and train
+    to the same bits."""
+    from zero_cases import GPT_CFG
+
+    outside = run_on_ranks(2, _recompute_task, True)
+    inside = run_on_ranks(2, _recompute_task, False)
+    for (a, calls_a), (b, calls_b) in zip(outside, inside):
+        assert calls_a == calls_b == 2 * GPT_CFG.n_layer
+        assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 # ---- full parameters at ZeRO-3 ----
