@@ -75,10 +75,23 @@ def test_comm_bytes_with_sequence_parallelism(tp_size):
         assert _bytes(got["fwd"], "all_gather") == (n * act, n)
         assert _bytes(got["fwd"], "all_reduce") == (3 * tok, 3)  # the loss only
         assert _bytes(got["bwd"], "reduce_scatter") == (n * act, n)
-        assert _bytes(got["bwd"], "all_gather") == (n * act, n)
+        # each all_gather of forward again in backward: the column layers keep only their
+        # input's sequence shard and regather it for the weight gradient (once for q, k, v)
+        assert _bytes(got["bwd"], "all_gather") == (2 * n * act, 2 * n)
         # plus, in backward, one all_reduce per replicated parameter used on 1/tp of the
         # sequence: the position embedding, per block two norms (weight, bias) and the two
         # row-parallel biases, and the final norm
         partial = [S * H] + [H] * 6 * n_layer + [H, H]
         assert sorted(got["partial"]) == sorted(partial)
         assert _bytes(got["bwd"], "all_reduce") == (F32 * sum(partial), len(partial))
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_sequence_parallel_block_keeps_1_over_tp_of_the_activations(tp_size):
+    # under SP the column layers keep their input's sequence shard and regather it in backward
+    plain = run_on_ranks(1, tc.block_activation_bytes, 1, False)[0]
+    sp = run_on_ranks(tp_size, tc.block_activation_bytes, tp_size, True)
+    tp_only = run_on_ranks(tp_size, tc.block_activation_bytes, tp_size, False)
+    for got in sp:
+        assert got <= plain / tp_size * 1.05, (got, plain)
+    assert all(t > s for t, s in zip(tp_only, sp))  # tp alone keeps full-width norms' inputs

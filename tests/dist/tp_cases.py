@@ -385,3 +385,29 @@ def engine_parity(
         assert full[name].shape == want[name].shape, name
         _close(full[name], want[name], f"full {name}")
     return {"losses": ref_losses, "memory": memory}
+
+
+def block_activation_bytes(tp_size: int, sp: bool) -> int:
+    """Bytes one GPT block saves for backward on this rank (storages other than parameters,
+    each counted once); ``tp_size=1``: the plain single-process block."""
+    from torch.autograd.graph import saved_tensors_hooks
+
+    cfg = GPTConfig(vocab_size=64, seq_len=32, n_layer=1, n_head=4, d_model=32, dropout=0.1)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    if tp_size > 1:
+        swtp.parallelize(model, Mesh(dp=-1, tp=tp_size), tp_plan(), sequence_parallel=sp)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    seq = cfg.seq_len // tp_size if sp else cfg.seq_len
+    x = torch.randn(4, seq, cfg.d_model, requires_grad=True)
+    with saved_tensors_hooks(pack, lambda t: t):
+        model.blocks[0](x)
+    return sum(seen.values())

@@ -20,6 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from shardwise.comm.groups import Group
 from shardwise.tp import mappings
 from shardwise.tp.cross_entropy import vocab_parallel_cross_entropy
+from shardwise.tp.sequence import Regather, shard_saving_linear
 
 
 class Region:
@@ -30,23 +31,28 @@ class Region:
         self.sequence_parallel = sequence_parallel
         self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-    def enter(self, x: torch.Tensor) -> torch.Tensor:
-        """Replicated (or, under SP, sequence-sharded) ``x`` -> full input of a column layer.
+    def enter(self, x: torch.Tensor) -> tuple[torch.Tensor, Regather | None]:
+        """Replicated (or, under SP, sequence-sharded) ``x`` -> full input of a column layer,
+        and under SP with autograd on, the ``Regather`` its layers share in backward.
 
         Communicates: nothing in forward, all_reduce of the grad in backward; under sequence
-        parallelism all_gather of dim 1 in forward, reduce_scatter in backward.
+        parallelism all_gather of dim 1 in forward, reduce_scatter (and the regather's
+        all_gather) in backward.
         """
         key = (x._version, torch.is_grad_enabled())
         hit = self._entries.get(x)
         if hit is not None and hit[0] == key:
-            return hit[1]
+            return hit[1], hit[2]
+        regather = None
         if self.sequence_parallel:
             entered = mappings.gather_sequence(x, self.group)
+            if torch.is_grad_enabled() and self.group.size > 1:
+                regather = Regather(self.group)
         else:
             entered = mappings.copy_to_tp(x, self.group)
         # kept while x lives (entered holds no reference to x, so the entry goes with x)
-        self._entries[x] = (key, entered)
-        return entered
+        self._entries[x] = (key, entered, regather)
+        return entered, regather
 
     def leave(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum partial outputs over tp: all_reduce, or reduce_scatter of dim 1 under SP."""
@@ -76,7 +82,11 @@ class ColumnParallelLinear(nn.Linear):
         self.out_features = full_out if gather_output else self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(self.region.enter(x), self.weight, self.bias)  # [..., chunk]
+        full, regather = self.region.enter(x)
+        if regather is None:
+            y = F.linear(full, self.weight, self.bias)  # [..., chunk]
+        else:  # keep x (this rank's sequence shard), not full, for the weight gradient
+            y = shard_saving_linear(full, x, self.weight, self.bias, regather)
         if not self.gather_output:
             return y
         y = mappings.gather_last_dim(y, self.region.group)  # [..., chunk * tp]
