@@ -28,10 +28,13 @@ def test_recompute_gives_bitwise_equal_grads_with_dropout(sp):
 
 def test_dropout_differs_across_tp_only_in_sharded_regions():
     plain = run_on_ranks(2, tc.dropout_masks, 2, False)
-    assert torch.equal(plain[0], plain[1]), "replicated region: masks must match across tp"
+    assert torch.equal(plain[0]["mask"], plain[1]["mask"]), "replicated region: masks must match"
     sharded = run_on_ranks(2, tc.dropout_masks, 2, True)
-    assert sharded[0].shape == (B, S // 2, H)
-    assert not torch.equal(sharded[0], sharded[1]), "sequence-sharded region: masks must differ"
+    assert sharded[0]["mask"].shape == (B, S // 2, H)
+    assert not torch.equal(sharded[0]["mask"], sharded[1]["mask"]), "sequence shards: must differ"
+    for r in (plain, sharded):  # tp.sharded_rng(): per-rank draws; the replicated stream goes on
+        assert not torch.equal(r[0]["sharded"], r[1]["sharded"])
+        assert torch.equal(r[0]["replicated"], r[1]["replicated"])
 
 
 def test_replicated_params_bitwise_equal_after_20_steps_with_sp():

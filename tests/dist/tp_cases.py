@@ -205,12 +205,14 @@ def dropout_masks(tp_size: int, sp: bool) -> torch.Tensor:
     mesh = Mesh(dp=-1, tp=tp_size)
     torch.manual_seed(0)
     model = GPT(gpt_config(dropout=0.5))
-    swtp.parallelize(model, mesh, tp_plan(), sequence_parallel=sp)
+    tp = swtp.parallelize(model, mesh, tp_plan(), sequence_parallel=sp)
     masks = []
     model.blocks[0].drop.register_forward_hook(lambda m, a, out: masks.append(out == 0))
     x, _ = batches(1, 37)[0]
     model(x)
-    return masks[0]
+    with tp.sharded_rng():  # e.g. attention dropout on this rank's heads
+        local = torch.rand(16)
+    return {"mask": masks[0], "sharded": local, "replicated": torch.rand(16)}
 
 
 def replicas_after_steps(tp_size: int, steps: int) -> dict:

@@ -1,0 +1,65 @@
+"""Plan patterns, shard math with padding and the RNG streams, in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardwise.models.gpt import GPT, GPTConfig, tp_plan
+from shardwise.tp import rng
+from shardwise.tp.placement import TPPlacement
+from shardwise.tp.plan import expand, resolve
+
+
+def test_brace_patterns_expand():
+    assert expand("a.{q,k, v}_proj") == ["a.q_proj", "a.k_proj", "a.v_proj"]
+    assert expand("{a,b}.{c,d}") == ["a.c", "a.d", "b.c", "b.d"]
+    assert expand("plain.*") == ["plain.*"]
+
+
+def test_gpt_plan_resolves_every_layer():
+    model = GPT(GPTConfig(vocab_size=37, seq_len=8, n_layer=2, n_head=4, d_model=16))
+    styles = resolve(model, tp_plan())
+    assert styles["blocks.1.attn.v_proj"] == "colwise"
+    assert styles["blocks.0.mlp.fc_out"] == "rowwise"
+    assert styles["tok_emb"] == "vocab_embedding" and styles["head"] == "colwise"
+    assert sum(s == "sequence" for s in styles.values()) == 3 + 3 * 2  # pos, drop, ln_f; blocks
+    with pytest.raises(ValueError, match="allowed styles"):
+        resolve(model, {"head": "columnwise"})
+    with pytest.raises(TypeError, match="module-name patterns"):
+        resolve(model, {3: "colwise"})
+
+
+@pytest.mark.parametrize("n,tp", [(10, 4), (9, 4), (8, 4), (37, 2)])
+def test_padded_shards_reassemble(n, tp):
+    full = torch.arange(n * 3, dtype=torch.float32).view(n, 3)
+    shards = [TPPlacement("w", (n, 3), 0, tp, r).shard(full) for r in range(tp)]
+    p = TPPlacement("w", (n, 3), 0, tp, 0)
+    assert all(s.shape == (p.chunk, 3) for s in shards)
+    assert torch.equal(p.unpad(torch.cat(shards)), full)
+    real = sum(p.owned_range(r)[1] - p.owned_range(r)[0] for r in range(tp))
+    assert real == n and p.padded == (n % tp != 0)
+    with pytest.raises(ValueError, match="expected a full tensor"):
+        p.shard(full[:-1])
+
+
+def test_rng_streams():
+    torch.manual_seed(5)
+    with rng.fork(0):
+        a = torch.rand(8)
+    after_a = torch.rand(4)
+    torch.manual_seed(5)
+    with rng.fork(1):
+        b = torch.rand(8)
+    after_b = torch.rand(4)
+    assert not torch.equal(a, b)  # each tp rank its own stream
+    assert torch.equal(after_a, after_b)  # the replicated stream continues alike
+    torch.manual_seed(5)
+    state = rng.rng_state()
+    with rng.fork(0):
+        again = torch.rand(8)
+    assert torch.equal(a, again)  # replayed from the same generator state
+    rng.set_rng_state(state)
+    with rng.fork(0):
+        assert torch.equal(torch.rand(8), a)
+    assert rng.mix(1, 2) != rng.mix(2, 1)
