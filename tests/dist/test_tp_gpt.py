@@ -98,3 +98,8 @@ def test_sequence_parallel_block_keeps_1_over_tp_of_the_activations(tp_size):
     for got in sp:
         assert got <= plain / tp_size * 1.05, (got, plain)
     assert all(t > s for t, s in zip(tp_only, sp))  # tp alone keeps full-width norms' inputs
+
+
+def test_pipeline_stage_is_tensor_parallel_without_special_cases():
+    losses = run_on_ranks(4, tc.pipeline_stage_tp, timeout_s=600)
+    assert all(v == losses[0] for v in losses)

@@ -413,3 +413,59 @@ def block_activation_bytes(tp_size: int, sp: bool) -> int:
     with saved_tensors_hooks(pack, lambda t: t):
         model.blocks[0](x)
     return sum(seen.values())
+
+
+class TPMix(torch.nn.Module):
+    """A residual MLP block whose two linears tensor parallelism splits."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.up = torch.nn.Linear(dim, 2 * dim)
+        self.down = torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+def _tied_head(emb: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return h @ emb.weight.t()
+
+
+def _lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def pipeline_stage_tp(n_blocks: int = 4, seed: int = 1234) -> float:
+    """pp=2 x tp=2: each pipeline stage is tensor-parallel through the same ``parallelize``."""
+    from shardwise.pipeline import LayerSpec, PipelineExecutor, PipelineModule, Tied
+
+    vocab, dim = 11, 8
+    emb = LayerSpec(torch.nn.Embedding, vocab, dim)
+    blocks = [LayerSpec(TPMix, dim) for _ in range(n_blocks)]
+    entries = [Tied("embed", emb), *blocks, Tied("embed", emb, forward_fn=_tied_head)]
+    ref_emb = emb.build(seed)
+    ref_blocks = [b.build(seed + i + 1) for i, b in enumerate(blocks)]
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, vocab, (4, 3), generator=gen) for _ in range(2))
+    h = ref_emb(x)
+    for b in ref_blocks:
+        h = b(h)
+    ref_loss = _lm_loss(_tied_head(ref_emb, h), y)
+    ref_loss.backward()
+
+    mesh = Mesh(pp=2, dp=1, tp=2)
+    pipe = PipelineModule(entries, _lm_loss, mesh, "uniform", seed=seed)
+    tp = swtp.parallelize(pipe, mesh, {"layers.*.up": "colwise", "layers.*.down": "rowwise"})
+    loss = PipelineExecutor(pipe, "1f1b", microbatches=2).train_batch(x, y)
+    _close(loss.detach(), ref_loss.detach(), "pipeline loss")
+    checked = 0
+    for name, p in pipe.layers.named_parameters():
+        index, rest = name.split(".", 1)
+        ref_p = dict(ref_blocks[int(index) - 1].named_parameters())[rest]
+        _close(p.grad, tp.placements[f"layers.{name}"].shard(ref_p.grad), f"grad of {name}")
+        checked += int(tp.placements[f"layers.{name}"].sharded)
+    assert checked > 0, "this stage holds tensor-parallel layers"
+    for p in pipe.tied.parameters():
+        _close(p.grad, ref_emb.weight.grad, "tied embedding grad")
+    return loss.item()
