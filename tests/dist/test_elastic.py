@@ -18,10 +18,7 @@ def _launch(tmp: Path, name: str, kill_at_step: int) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "shardwise.cli.main", "run", "--nproc-per-node", "2",
            "--max-restarts", "1", str(SCRIPT), "--checkpoint-dir", str(tmp / name / "ckpt"),
            "--out", str(tmp / name / "final.pt"), "--kill-at-step", str(kill_at_step)]
-    # The elastic agent's shared rendezvous store keeps the first attempt's gloo addresses, so
-    # restarted ranks dial dead peers (pytorch/pytorch#135712); each attempt gets its own store.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
 

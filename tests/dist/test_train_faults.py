@@ -90,6 +90,13 @@ def test_sigterm_saves_and_says_so(tmp_path):
     assert f"stopped by SIGTERM: checkpoint of step {stopped} written" in cli.output
     assert verify(run_dir.checkpoints / f"step-{stopped:08d}").step == stopped
     assert _steps(run_dir) == list(range(1, stopped + 1))
+    # a damaged final model file: generate falls back to the newest valid checkpoint
+    data = run_dir.final_model.read_bytes()
+    run_dir.final_model.write_bytes(data[: len(data) // 2])
+    out = Cli("generate", str(run_dir.root), "--tokens", "10")
+    assert out.finish(120) == 0, out.output[-3000:]
+    assert f"{run_dir.final_model} is damaged" in out.output
+    assert f"# weights of step {stopped} from {run_dir.checkpoints}" in out.output
 
 
 def test_sighup_without_grace_kills_and_says_no_checkpoint(tmp_path):

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from shardwise.checkpoint import CheckpointError, CheckpointReader, save_safetensors
 from shardwise.data.sampler import DistributedBatchSampler
@@ -79,9 +79,13 @@ def _from_checkpoint(root: Path) -> tuple[dict[str, torch.Tensor], int] | None:
 def _from_model_file(path: Path) -> tuple[dict[str, torch.Tensor], int] | None:
     if not path.is_file():
         return None
-    with safe_open(str(path), framework="pt") as f:
-        step = int((f.metadata() or {}).get("step", -1))
-        return {k: f.get_tensor(k) for k in f.keys()}, step
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            step = int((f.metadata() or {}).get("step", -1))
+            return {k: f.get_tensor(k) for k in f.keys()}, step
+    except (SafetensorError, OSError, ValueError) as exc:  # truncated or overwritten
+        log.warning("%s is damaged (%s): using the newest valid checkpoint instead", path, exc)
+        return None
 
 
 def load_model(cfg: GPTConfig, final_model: Path, checkpoints: Path) -> tuple[GPT, int, str]:
