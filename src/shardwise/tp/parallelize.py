@@ -54,7 +54,7 @@ class TensorParallel:
         """``{parameter name: placement}`` for every distinct parameter of the model."""
         return {name: self._by_id[id(p)] for name, p in self.model.named_parameters()}
 
-    def _place(self, param: nn.Parameter, placement: TPPlacement, owner: str) -> None:
+    def _place(self, param: torch.Tensor, placement: TPPlacement, owner: str) -> None:
         seen = self._by_id.get(id(param))
         if seen is not None:
             if (seen.dim, seen.full_shape) != (placement.dim, placement.full_shape):
@@ -74,10 +74,10 @@ class TensorParallel:
             padded = full if placement.padded else None
             mark_sharded(param, self.group, placement.dim, full_size=padded)
 
-    def _shard(self, param: nn.Parameter, name: str, full: tuple[int, ...], dim: int) -> None:
+    def _shard(self, param: torch.Tensor, name: str, full: tuple[int, ...], dim: int) -> None:
         self._place(param, TPPlacement(name, full, dim, self.tp_size, self.tp_rank), name)
 
-    def _replicate(self, param: nn.Parameter, name: str, partial: bool) -> None:
+    def _replicate(self, param: torch.Tensor, name: str, partial: bool) -> None:
         p = TPPlacement(name, tuple(param.shape), None, self.tp_size, self.tp_rank, partial)
         fresh = id(param) not in self._by_id
         self._place(param, p, name)
