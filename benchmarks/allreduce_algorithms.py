@@ -6,8 +6,10 @@
 
 Every rank first runs ``shardwise.topology.discover`` (with the link emulator on when ``--link``
 is given: messages between the emulated nodes wait alpha + bytes/bw), then times each algorithm
-at each size: a barrier, the all_reduce, the slowest rank's time; the median over ``--iters``.
-``predicted`` is ``shardwise.comm.schedules.predict_seconds`` from the measured links. With
+at each size (in turns): a barrier, the all_reduce, the slowest rank's time; the median over
+``--iters``.
+``predicted`` is ``shardwise.comm.schedules.predict_seconds`` from the measured links (the
+backend's own ``native`` is priced as a ring; the emulator does not delay it). With
 ``--calibrate-mib S`` each algorithm's measured/predicted ratio at size S becomes its efficiency
 factor and the other sizes are predicted with it (the error column then shows the model after
 one calibration per algorithm). The summary compares hierarchical with the flat ring (measured
@@ -30,21 +32,18 @@ from shardwise.comm import emulate, schedules
 from shardwise.testing import RankPool
 from shardwise.topology import discover
 
-ALGS = ["ring", "halving_doubling", "tree", "hierarchical", "auto"]
+ALGS = ["native", "ring", "halving_doubling", "tree", "hierarchical", "auto"]
 
 
-def _time(t: torch.Tensor, alg: str, links: schedules.GroupLinks, iters: int) -> float:
+def _once(t: torch.Tensor, alg: str, links: schedules.GroupLinks) -> float:
+    """One all_reduce after a barrier; the slowest rank's seconds."""
     g = comm.world()
-    times = []
-    for it in range(iters + 1):
-        comm.barrier(group=g)
-        t0 = time.perf_counter()
-        comm.all_reduce(t, "sum", g, algorithm=alg, links=links)
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        comm.all_reduce(dt, "max", g)
-        if it:
-            times.append(float(dt.item()))
-    return statistics.median(times)
+    comm.barrier(group=g)
+    t0 = time.perf_counter()
+    comm.all_reduce(t, "sum", g, algorithm=alg, links=links)
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    comm.all_reduce(dt, "max", g)
+    return float(dt.item())
 
 
 def _task(nodes: str, link: str, sizes_mib: list[float], iters: int) -> list[dict]:
@@ -56,10 +55,18 @@ def _task(nodes: str, link: str, sizes_mib: list[float], iters: int) -> list[dic
     rows = []
     for mib in sizes_mib:
         t = torch.ones(int(mib * (1 << 20)) // 4)
+        times: dict[str, list[float]] = {alg: [] for alg in ALGS}
+        for it in range(iters + 1):  # algorithms take turns: background load hits all alike
+            for alg in ALGS:
+                seconds = _once(t, alg, links)
+                if it:
+                    times[alg].append(seconds)
         for alg in ALGS:
-            measured = _time(t, alg, links, iters)
             chosen = schedules.choose(t.numel() * 4, 4, links) if alg == "auto" else alg
-            pred = schedules.predict_seconds(chosen, t.numel() * 4, 4, links)
+            # native (gloo's own, not emulated) is priced as a ring; calibration sets its factor
+            model = "ring" if alg == "native" else chosen
+            pred = schedules.predict_seconds(model, t.numel() * 4, 4, links)
+            measured = statistics.median(times[alg])
             rows.append({"mib": mib, "alg": alg, "chosen": chosen, "s": measured, "pred": pred})
     rows.append({"min_r2": topo.min_r2(), "intra": links.intra, "inter": links.inter})
     return rows
@@ -82,7 +89,7 @@ def _report(rows: list[dict], calibrate: float | None) -> None:
         by = {r["alg"]: r for r in rows if r["mib"] == mib}
         meas = by["ring"]["s"] / by["hierarchical"]["s"]
         pred = by["ring"]["pred"] / by["hierarchical"]["pred"]
-        best = min(by[a]["s"] for a in ALGS if a != "auto")
+        best = min(by[a]["s"] for a in ALGS if a not in ("auto", "native"))
         print(f"{mib:g} MiB: ring/hierarchical measured {meas:.2f}x, predicted {pred:.2f}x "
               f"({meas / pred - 1:+.0%}); auto ({by['auto']['chosen']}) / best = "
               f"{by['auto']['s'] / best:.2f}")  # fmt: skip
