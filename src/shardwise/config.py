@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from shardwise.comm.algorithms import ALGORITHMS
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 REDUCE_DTYPES = (None, "fp32", "bf16", "fp16")
 RESUME = ("never", "auto")
@@ -64,6 +66,8 @@ class Config:
     """Compute dtype of parameters and activations: fp32, bf16 or fp16."""
     reduce_dtype: str | None = None
     """Dtype gradients are reduced in (None: fp32)."""
+    allreduce_algorithm: str = "native"
+    """Stage 0 gradient all_reduce: native, ring, halving_doubling, tree, hierarchical or auto."""
     initial_loss_scale_power: int = 16
     """fp16: the dynamic loss scale starts at 2**this."""
     loss_scale_window: int = 1000
@@ -110,6 +114,12 @@ class Config:
         _choice("reduce_dtype", self.reduce_dtype, REDUCE_DTYPES)
         _choice("resume", self.resume, RESUME)
         _choice("nonfinite_grads", self.nonfinite_grads, ("skip", "raise"))
+        _choice("allreduce_algorithm", self.allreduce_algorithm, ALGORITHMS)
+        if self.allreduce_algorithm != "native" and self.zero_stage > 0:
+            raise ValueError(
+                f"allreduce_algorithm={self.allreduce_algorithm!r} applies to zero_stage=0 "
+                "(stages 1-3 reduce_scatter their gradients); use 'native' or zero_stage=0"
+            )
         _positive_int("gradient_accumulation_steps", self.gradient_accumulation_steps)
         _positive_int("reduce_bucket_bytes", self.reduce_bucket_bytes)
         _positive_int("loss_scale_window", self.loss_scale_window)

@@ -41,6 +41,7 @@ from shardwise.mesh import Mesh
 from shardwise.placement import NormReduction, Placement, placement_of
 from shardwise.precision import DynamicLossScaler, resolve_precision
 from shardwise.recompute import apply_activation_checkpointing
+from shardwise.topology import discover
 from shardwise.zero import optimizer as zero_opt
 from shardwise.zero.flat_param import Dtypes, FlatParam
 from shardwise.zero.partition import ParamSlot
@@ -104,7 +105,10 @@ class Engine:
             enabled=policy.needs_loss_scaling,
         )
         on_reduced = (lambda f: f.release()) if self.stage.shard_params else None
-        self.reducer = GradReducer(self.flats, on_reduced=on_reduced)
+        links = None  # the dp group's measured links, for the algorithms that need them
+        if config.allreduce_algorithm in ("auto", "hierarchical") and self.group.size > 1:
+            links = discover(self.group).links()
+        self.reducer = GradReducer(self.flats, on_reduced, config.allreduce_algorithm, links)
         self.global_step = 0
         self.micro_step = 0
         self.grad_norm: float | None = None

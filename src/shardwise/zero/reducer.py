@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
+from shardwise.comm.schedules import GroupLinks
 from shardwise.zero.flat_param import FlatParam
 from shardwise.zero.partition import ParamSlot
 
@@ -41,10 +42,15 @@ class GradReducer:
     """Owns gradient hooks and reductions for ``flats`` (given in launch order)."""
 
     def __init__(
-        self, flats: list[FlatParam], on_reduced: Callable[[FlatParam], None] | None = None
+        self,
+        flats: list[FlatParam],
+        on_reduced: Callable[[FlatParam], None] | None = None,
+        algorithm: str = "native",
+        links: GroupLinks | None = None,
     ) -> None:
         self.flats = [f for f in flats if f.trainable]
         self.on_reduced = on_reduced
+        self.algorithm, self.links = algorithm, links  # stage 0's all_reduce (comm.algorithms)
         self._slot: dict[int, tuple[int, ParamSlot]] = {}
         self._handles = []
         for i, f in enumerate(self.flats):
@@ -114,7 +120,9 @@ class GradReducer:
         )
         scratch = None
         if not f.stage.shard_optimizer:
-            handle = comm.all_reduce(buf, op="avg", group=f.group, async_op=True)
+            handle = comm.all_reduce(
+                buf, "avg", f.group, True, algorithm=self.algorithm, links=self.links
+            )
         elif not f.stage.shard_grads:
             handle = comm.reduce_scatter(
                 buf,
