@@ -14,7 +14,7 @@ one ``all_reduce`` of the tensor's bytes per call, plus the algorithm's messages
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -25,7 +25,12 @@ from shardwise.comm.schedules import GroupLinks, Transfer
 
 ALGORITHMS = ("native", *schedules.ALGORITHMS, "auto")
 
-_COMBINE = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}
+_COMBINE: dict[str, Callable[..., torch.Tensor]] = {
+    "sum": torch.add,
+    "avg": torch.add,
+    "max": torch.maximum,
+    "min": torch.minimum,
+}
 
 
 def all_reduce(
@@ -127,8 +132,8 @@ def run_schedule(flat: torch.Tensor, g: Group, rounds: Sequence[schedules.Round]
         assert len(out) <= 1 and len(inc) <= 1, "a round sends and receives at most once per rank"
         if not out and not inc:
             continue
-        handles = []
-        target = None
+        handles: list[Handle] = []
+        target = flat[:0]
         if inc:
             x = inc[0]
             if x.reduce:
@@ -138,10 +143,14 @@ def run_schedule(flat: torch.Tensor, g: Group, rounds: Sequence[schedules.Round]
             else:
                 target = flat[x.lo : x.hi]
                 assert not out or not _overlap(x, out[0]), "a copy may not land on what is sent"
-            handles.append(ops.recv(target, g.ranks[x.src], group=g, async_op=True))
+            h = ops.recv(target, g.ranks[x.src], group=g, async_op=True)
+            assert isinstance(h, Handle)
+            handles.append(h)
         if out:
             x = out[0]
-            handles.append(ops.send(flat[x.lo : x.hi], g.ranks[x.dst], group=g, async_op=True))
+            sent = ops.send(flat[x.lo : x.hi], g.ranks[x.dst], group=g, async_op=True)
+            assert isinstance(sent, Handle)
+            handles.append(sent)
         for h in handles:
             h.wait()
         if inc and inc[0].reduce:

@@ -87,7 +87,7 @@ def env_nodes(world_size: int, env: dict[str, str] | None = None) -> tuple[int, 
     ``SHARDWISE_EMULATE_NODES`` first; else torchrun's node-major layout when ``GROUP_RANK`` and
     ``LOCAL_WORLD_SIZE`` are set and ``LOCAL_WORLD_SIZE`` divides the world.
     """
-    env = os.environ if env is None else env
+    env = dict(os.environ) if env is None else env
     if env.get(NODES_ENV):
         return parse_nodes(env[NODES_ENV], world_size)
     if "GROUP_RANK" in env and "LOCAL_WORLD_SIZE" in env:

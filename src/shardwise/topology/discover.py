@@ -21,7 +21,7 @@ def local_info() -> RankInfo:
     cpus = probe.cpu_affinity()
     emulated = bool(os.environ.get(emulate.NODES_ENV))
     device = sw_dist.device()
-    gpu, bus, links = "", "", {}
+    gpu, bus, links = "", "", dict[str, str]()
     if device.type == "cuda":
         gpu, bus, links = probe.gpu_facts(device.index or 0)
     return RankInfo(

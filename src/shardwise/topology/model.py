@@ -99,7 +99,8 @@ class Topology:
         pairs (one stands in for the other when a kind is absent)."""
         ranks = tuple(range(self.world_size)) if ranks is None else tuple(ranks)
         ids = self.node_ids()
-        intra, inter = [], []
+        intra: list[LinkFit] = []
+        inter: list[LinkFit] = []
         for i, a in enumerate(ranks):
             for b in ranks[i + 1 :]:
                 fit = self.fits[a][b]

@@ -50,8 +50,11 @@ def numa_nodes(
 def gpu_facts(index: int) -> tuple[str, str, dict[str, str]]:
     """(model, PCI bus id, links by peer bus id) of CUDA device ``index``."""
     props = torch.cuda.get_device_properties(index)
-    bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-    return props.name, bus.upper(), nvidia_smi_links(bus.upper())
+    ids = [getattr(props, f"pci_{k}_id", None) for k in ("domain", "bus", "device")]
+    if None in ids:  # a torch without the PCI fields: no bus id, so no links either
+        return props.name, "", {}
+    bus = f"{ids[0]:08x}:{ids[1]:02x}:{ids[2]:02x}.0".upper()
+    return props.name, bus, nvidia_smi_links(bus)
 
 
 def _smi(*args: str) -> str:

@@ -63,7 +63,7 @@ def _size(n: int) -> str:
 
 
 def _ranges(cpus: tuple[int, ...]) -> str:
-    out: list[str] = []
+    out: list[tuple[int, int]] = []
     for c in cpus:
         if out and out[-1][1] == c - 1:
             out[-1] = (out[-1][0], c)
