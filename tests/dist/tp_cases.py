@@ -296,6 +296,15 @@ def bad_plans(tp_size: int) -> None:
         {k: v for k, v in plan.items() if k != "ln_f"},
         sequence_parallel=True,
     )
+    # the head is tied to the token embedding: splitting it by its input features conflicts
+    _expect(
+        ValueError,
+        ["'tok_emb.weight'", "'head'"],
+        swtp.parallelize,
+        model,
+        mesh,
+        {**plan, "head": "rowwise"},
+    )
     odd = torch.nn.ModuleDict({"up": torch.nn.Linear(4, 6), "down": torch.nn.Linear(6, 4)})
     _expect(
         ValueError,

@@ -150,6 +150,7 @@ def _validate(model: nn.Module, styles: dict[str, str], tp_size: int, sp: bool) 
             f"module {name!r}: {what} is not divisible by tp={tp_size}; only a vocabulary "
             "(the size of a 'vocab_embedding' in the plan) may be padded"
         )
+    _check_ties(modules, styles)
     if sp and tp_size > 1:
         for name, p in model.named_parameters():
             if id(p) not in covered:
@@ -157,6 +158,29 @@ def _validate(model: nn.Module, styles: dict[str, str], tp_size: int, sp: bool) 
                     f"parameter {name!r} is replicated over tp but not inside a 'sequence' "
                     "module: under sequence parallelism its module sees 1/tp of the sequence; "
                     "add its module to the plan as 'sequence'"
+                )
+
+
+def _layouts(m: nn.Module, style: str) -> list[tuple[str, torch.Tensor, int | None]]:
+    """(parameter name, parameter, split dim or None) that ``style`` gives ``m``'s params."""
+    if style in ("vocab_embedding", "colwise", "colwise_gather"):
+        return [(n, p, 0) for n, p in m.named_parameters(recurse=False)]
+    if style == "rowwise":
+        return [(n, p, 1 if n == "weight" else None) for n, p in m.named_parameters(recurse=False)]
+    return [(n, p, None) for n, p in m.named_parameters()]
+
+
+def _check_ties(modules: Mapping[str, nn.Module], styles: Mapping[str, str]) -> None:
+    """A parameter shared by two planned modules (a tied head) must be split the same way."""
+    seen: dict[int, tuple[str, int | None]] = {}
+    for name, style in styles.items():
+        for pname, p, dim in _layouts(modules[name], style):
+            first = seen.setdefault(id(p), (f"{name}.{pname}", dim))
+            if first[1] != dim:
+                raise ValueError(
+                    f"parameter {first[0]!r} is tied into {name!r} ({style}) with another "
+                    f"split: dim {first[1]} there, dim {dim} here (None: whole); tied layers "
+                    "must split it the same way"
                 )
 
 
