@@ -128,7 +128,9 @@ def build_flats(
         needs = [by_name[s.name] + [f for n in s.foreign for f in by_name[n]] for s in specs]
         # reductions start in reverse registration order: roughly the backward order
         flats = flats[::-1]
-        schedule = ParamSchedule([s.module for s in specs], needs, config.prefetch_units)
+        schedule = ParamSchedule(
+            [s.module for s in specs], needs, config.prefetch_units, root=model
+        )
     for f in flats:
         f.broadcast_from(src)
         f.finish_init(host)

@@ -375,6 +375,20 @@ def _check_classes(classes: Sequence[type | str]) -> list[type | str]:
     return list(classes)
 
 
+def _check_no_cache(model: nn.Module) -> None:
+    """A model that caches keys and values (HF-style ``config.use_cache``) would append to its
+    cache again when a block is recomputed."""
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            where = f"{name}.config" if name else "model.config"
+            raise ValueError(
+                f"activation checkpointing cannot run with a key/value cache: {where}.use_cache "
+                "is True, and a recomputed block would append to the cache a second time. Set "
+                f"{where}.use_cache = False for training (generation may pass use_cache=True)"
+            )
+
+
 def apply_activation_checkpointing(
     model: nn.Module, classes: Sequence[type | str], *, preserve_rng_state: bool = True
 ) -> int:
@@ -402,9 +416,11 @@ def apply_activation_checkpointing(
         The number of modules newly checkpointed by this call.
 
     Raises:
-        ValueError: an entry of ``classes`` matches no module of ``model``.
+        ValueError: an entry of ``classes`` matches no module of ``model``, or a module of the
+            model has a ``config`` whose ``use_cache`` is True (set it to False for training).
     """
     wanted = _check_classes(classes)
+    _check_no_cache(model)
     modules = list(model.modules())
     for cls in wanted:
         if not any(_matches(module, cls) for module in modules):

@@ -5,7 +5,8 @@ model states per rank are 16Ψ (stage 0), 8Ψ + 8Ψ/N (1), 4Ψ + 12Ψ/N (2), 16�
 flat buffer is rounded up to a multiple of N, so Ψ_pad = Σ padded sizes < Ψ + N per buffer.
 Communication per step with one micro-step: all_reduce 4Ψ (0); reduce_scatter 4Ψ + all_gather
 4Ψ (1-2); all_gather 8Ψ + reduce_scatter 4Ψ (3), at Ψ_pad; stages 1-3 add one 4-byte all_reduce
-for the global gradient norm.
+for the global gradient norm. Every stage adds one all_reduce of the "used" map, one byte per
+trainable parameter tensor, that decides which parameters got a gradient on some rank.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def _comm_task(stage: int):
     engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                                   shardwise.Config(zero_stage=stage, reduce_bucket_bytes=8192))
     psi_pad = sum(f.padded for f in engine.flats)
+    used_map = sum(len(f.params) for f in engine.flats if f.trainable)
     per_step = []
     for parts in zc.batches("gpt", 2, n):
         shardwise.comm_stats(reset=True)
@@ -104,21 +106,21 @@ def _comm_task(stage: int):
         engine.backward(engine(x, y))
         engine.step()
         per_step.append(shardwise.comm_stats())
-    return psi_pad, per_step
+    return psi_pad, used_map, per_step
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_step_communication_bytes_exact(world, stage):
-    for psi_pad, per_step in run_on_ranks(world, _comm_task, stage):
+    for psi_pad, used_map, per_step in run_on_ranks(world, _comm_task, stage):
         for stats in per_step:  # the first step (no prefetch yet) and the second
             got = {op: s["bytes"] for op, s in stats.items()}
             if stage == 0:
-                assert got == {"all_reduce": 4 * psi_pad}
+                assert got == {"all_reduce": 4 * psi_pad + used_map}
             elif stage in (1, 2):
                 assert got == {"reduce_scatter": 4 * psi_pad, "all_gather": 4 * psi_pad,
-                               "all_reduce": 4}
-                assert stats["all_reduce"]["calls"] == 1  # the gradient norm
+                               "all_reduce": 4 + used_map}
+                assert stats["all_reduce"]["calls"] == 2  # the gradient norm, the used map
             else:
                 assert got == {"all_gather": 8 * psi_pad, "reduce_scatter": 4 * psi_pad,
-                               "all_reduce": 4}
+                               "all_reduce": 4 + used_map}

@@ -118,6 +118,8 @@ class FlatParam:
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.grad_host: torch.Tensor | None = None  # offload: grad_shard's copy in host memory
+        # which parameters got a gradient on this rank since the last step (see zero.step)
+        self.used = [False] * len(self.params)
 
     # ---- set-up after rank 0's weights were broadcast into ``full`` ----
 
@@ -220,6 +222,8 @@ class FlatParam:
         """Copy the updated master into the parameters; at stages 1-2 start the all_gather that
         brings every rank the others' updated slices. Communicates (stages 1-2): all_gather of
         the padded flat buffer."""
+        if self.stage.shard_params:
+            self.release()  # a gathered copy would hold the parameters from before the step
         target = self.shard if self.stage.shard_optimizer else self.full
         if target.data_ptr() != self.master.data_ptr():
             with torch.no_grad():

@@ -1,61 +1,156 @@
 """Stage 3: gather each unit's parameters just before they are used, free them right after.
 
-Forward: a unit's pre-hook all-gathers its flat buffers (and those of units whose parameters it
-shares), then starts the all_gather of the next unit in the recorded forward order so that it
-overlaps this unit's compute; the post-hook frees them once every module that needs them has run.
-Backward: hooks on the unit's outputs gather it again just before its backward (prefetching the
-unit that comes next in backward); the gradient reducer frees it once its gradients have been
-reduced. ZeRO paper, section 5.3 (P_os+g+p).
+Every call is in one ``Phase``: FORWARD, BACKWARD, or RECOMPUTE (a module's forward run again
+inside backward, e.g. by activation checkpointing). The phase comes from the call itself, not
+from flags the engine toggles, so forward and backward of different micro-batches may interleave.
+
+Forward. The root, every unit module and every module that holds parameters directly are hooked:
+whoever calls a module, its pre-hook gathers the flat buffers it needs (a unit: its own and those
+of units whose parameters it shares; any other module: those holding its own parameters). A
+unit's pre-hook then prefetches the next unit(s) in the recorded forward order. A buffer is freed
+once the last unit that needs it in this pass has run; what is still gathered when the outermost
+hooked call returns is freed then. Parameters passed to torch functions outside any unit's own
+call (a tied head ``F.linear(h, self.emb.weight)`` in the root's forward) are gathered for that
+use by ``ExternalUses`` (``param_uses``).
+
+Backward. While a forward pass runs, saved-tensor hooks tag every tensor autograd saves with the
+unit it was saved in, and with its flat buffer when it is a parameter or a view of one. Backward
+reads parameters only through saved tensors, so unpacking is where the buffer is gathered and
+waited for: no backward computation can read a buffer whose all_gather has not completed,
+whatever the type of a unit's outputs. The first unpack of a unit in a backward gathers all it
+needs and prefetches the next unit(s) in backward order. The gradient reducer frees a buffer once
+its gradients are reduced; ``finish_backward`` frees the rest. ZeRO paper, section 5.3.
 """
 
 from __future__ import annotations
 
+import enum
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
 
 from shardwise.recompute import is_recomputing
-from shardwise.zero.flat_param import FlatParam
+from shardwise.zero.flat_param import FlatParam, ParamState
+from shardwise.zero.param_uses import ExternalUses, explain_storage_error
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, (list, tuple)):
-        return [t for x in tree for t in _tensors(x)]
-    if isinstance(tree, dict):
-        return [t for x in tree.values() for t in _tensors(x)]
-    return []
+class Phase(enum.Enum):
+    """What a module call is part of."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    RECOMPUTE = "recompute"
+
+
+def call_phase() -> Phase:
+    """The phase of a module call: RECOMPUTE inside backward (checkpoint recompute or any forward
+    that autograd runs), FORWARD otherwise."""
+    if is_recomputing() or torch._C._current_graph_task_id() != -1:
+        return Phase.RECOMPUTE
+    return Phase.FORWARD
+
+
+@dataclass(eq=False)
+class _Call:
+    """A hooked module call in flight (pre-hook ran, forward hook not yet)."""
+
+    module: nn.Module
+    phase: Phase
+    unit: bool
+    needs: list[FlatParam]  # as at the call's start (a need learned during it comes later)
+    paused: bool = False  # the external-use mode was paused while this nested unit runs
+
+
+@dataclass(eq=False)
+class _Saved:
+    """What autograd keeps for one saved tensor of a forward pass."""
+
+    packed: Any  # the tensor, or what saved-tensor hooks outside the pass made of it
+    scope: nn.Module  # the unit (or outermost module) whose call saved it
+    flat: FlatParam | None  # set when the tensor is a parameter or a view of one
+    outer_unpack: Callable[[Any], torch.Tensor] | None
 
 
 class ParamSchedule:
-    """Forward/backward hooks that move stage-3 units between sharded and full."""
+    """Hooks that move stage-3 flat buffers between sharded and full (see the module doc)."""
 
     def __init__(
-        self, modules: list[nn.Module], needs: list[list[FlatParam]], prefetch: int = 1
+        self,
+        modules: list[nn.Module],
+        needs: list[list[FlatParam]],
+        prefetch: int = 1,
+        root: nn.Module | None = None,
     ) -> None:
-        self.needs = {id(m): n for m, n in zip(modules, needs)}
         self.prefetch = prefetch
-        self._users: dict[int, int] = {}
-        for n in needs:
-            for f in n:
-                self._users[id(f)] = self._users.get(id(f), 0) + 1
-        self._done: dict[int, int] = {}
-        self.order: list[nn.Module] = []  # forward order, recorded on the first forward
+        self.root = root
+        self.order: list[nn.Module] = []  # unit forward order, recorded until the first backward
         self._recording = True
-        self._seen_bwd: set[int] = set()
-        self.in_backward = False
+        self._units = {id(m): m for m in modules}
+        self._needs: dict[int, list[FlatParam]] = {id(m): list(n) for m, n in zip(modules, needs)}
+        self.flats = list(dict.fromkeys(f for n in needs for f in n))
+        self._unit_name = {id(m): _unit_name(m, root) for m in modules}
+        self._users: dict[FlatParam, int] = {}
+        for n in self._needs.values():
+            for f in n:
+                self._users[f] = self._users.get(f, 0) + 1
+        self._done: dict[FlatParam, int] = {}
+        self._refs: dict[FlatParam, int] = {f: 0 for f in self.flats}
+        self._by_storage = {f.full.untyped_storage()._cdata: f for f in self.flats}
+        self._open: list[_Call] = []
+        self._units_open: list[nn.Module] = []  # FORWARD unit calls, innermost last
+        self._saved_hooks: saved_tensors_hooks | None = None
+        self._outer: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+        self._touched: set[int] = set()
+        self.uses = ExternalUses(self)
+        hooked = dict(self._units)
+        hooked.update(self._direct_modules(root, modules))
         self._hooks = []
-        for m in modules:
-            self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
-            self._hooks.append(m.register_forward_hook(self._post_forward))
+        for m in hooked.values():
+            self._hooks.append(m.register_forward_pre_hook(self._pre_forward, prepend=True))
+            self._hooks.append(m.register_forward_hook(self._post_forward, always_call=True))
 
-    def _gather(self, module: nn.Module) -> None:
-        for f in self.needs[id(module)]:
+    def _direct_modules(
+        self, root: nn.Module | None, modules: list[nn.Module]
+    ) -> dict[int, nn.Module]:
+        """Modules outside the unit list that hold parameters of a flat buffer directly, and the
+        root: each needs the buffers of its own parameters, so it works whoever calls it."""
+        if root is None:
+            return {}
+        flat_of = {id(p): f for f in self.flats for p in f.params}
+        out: dict[int, nn.Module] = {}
+        for m in root.modules():
+            if id(m) in self._units:
+                continue
+            mine = [flat_of[id(p)] for p in m.parameters(recurse=False) if id(p) in flat_of]
+            if mine or m is root:
+                self._needs[id(m)] = list(dict.fromkeys(mine))
+                out[id(m)] = m
+        return out
+
+    # ---- gathering and freeing ----
+
+    def needs_of(self, module: nn.Module) -> list[FlatParam]:
+        return self._needs[id(module)]
+
+    def unit_name(self, module: nn.Module) -> str:
+        return self._unit_name.get(id(module), type(module).__name__)
+
+    def _acquire(self, flats: list[FlatParam]) -> None:
+        for f in flats:
+            self._refs[f] += 1
             f.gather(async_op=True)
-        for f in self.needs[id(module)]:
+        for f in flats:
             f.wait_gather()
+
+    def borrow(self, f: FlatParam) -> None:
+        """Gather ``f`` for a use outside its units' calls; held until the pass ends."""
+        self._acquire([f])
+        self.uses.borrowed.append(f)
 
     def _prefetch_after(self, module: nn.Module, backward: bool) -> None:
         if self._recording or not self.prefetch or module not in self.order:
@@ -63,53 +158,147 @@ class ParamSchedule:
         order = self.order[::-1] if backward else self.order
         i = order.index(module)
         for nxt in order[i + 1 : i + 1 + self.prefetch]:
-            for f in self.needs[id(nxt)]:
+            for f in self._needs[id(nxt)]:
                 f.gather(async_op=True)
 
+    def _free_if_idle(self, f: FlatParam) -> None:
+        if self._refs[f] == 0:
+            f.release()
+
+    # ---- forward hooks ----
+
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        self._gather(module)
-        if self.in_backward or is_recomputing():
+        phase = call_phase()
+        unit = id(module) in self._units
+        call = _Call(module, phase, unit, self._needs[id(module)])
+        if phase is Phase.RECOMPUTE and unit:
+            self._touch(module)  # a recompute starts this unit's backward
+        self._acquire(call.needs)
+        if phase is Phase.FORWARD:
+            if not self._open:
+                self._begin_pass()
+            elif unit:
+                call.paused = self.uses.pause(recording=self._recording)
+            if unit:
+                self._units_open.append(module)
+                if self._recording and module not in self.order:
+                    self.order.append(module)
+                self._prefetch_after(module, backward=False)
+        self._open.append(call)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        while self._open and self._open[-1].module is not module:
+            self._open.pop()  # calls whose forward hook never ran (an exception)
+        if not self._open:
             return
-        if self._recording and module not in self.order:
-            self.order.append(module)
-        self._prefetch_after(module, backward=False)
+        call = self._open.pop()
+        error = sys.exc_info()[1]  # set when forward raised (always_call hooks)
+        if error is not None:
+            explain_storage_error(error, self, module)
+        needs = call.needs
+        for f in needs:
+            self._refs[f] -= 1
+        if call.phase is not Phase.FORWARD:
+            return  # inside backward: the reducer and finish_backward free the buffers
+        if call.unit:
+            self._units_open.pop()
+            if call.paused:
+                self.uses.resume()
+            for f in needs:
+                self._done[f] = self._done.get(f, 0) + 1
+                if self._done[f] >= self._users[f]:
+                    self._done[f] = 0
+                    self._free_if_idle(f)
+        if not self._open:
+            self._end_pass()
 
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if self.in_backward or is_recomputing():
-            return output  # a recompute inside backward: the backward frees the unit
-        for f in self.needs[id(module)]:
-            self._done[id(f)] = self._done.get(id(f), 0) + 1
-            if self._done[id(f)] >= self._users[id(f)]:
-                self._done[id(f)] = 0
-                f.release()
-        if torch.is_grad_enabled():
-            for t in _tensors(output):
-                if t.requires_grad:
-                    t.register_hook(self._make_pre_backward(module))
-        return output
+    def _begin_pass(self) -> None:
+        self._done.clear()
+        # saved-tensor hooks the caller installed (activation offload, a checkpoint region
+        # around the whole call) still apply: ours wrap theirs
+        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self._saved_hooks = saved_tensors_hooks(self._pack, self._unpack)
+        self._saved_hooks.__enter__()
+        self.uses.start()
 
-    def _make_pre_backward(self, module: nn.Module):
-        def hook(grad: torch.Tensor) -> None:
-            self.in_backward = True
-            if id(module) not in self._seen_bwd:
-                self._seen_bwd.add(id(module))
-                self._gather(module)
-                self._prefetch_after(module, backward=True)
+    def _end_pass(self) -> None:
+        self.uses.stop()
+        for f in self.uses.borrowed:
+            self._refs[f] -= 1
+        self.uses.borrowed.clear()
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
+        self._done.clear()
+        for f in self.flats:
+            self._free_if_idle(f)
+        if torch.is_grad_enabled() and not self._recording and self.prefetch and self.order:
+            # backward starts with the unit forward ended with: start its gather now, so that
+            # it overlaps the loss and the first backward nodes instead of blocking backward
+            for f in self._needs[id(self.order[-1])]:
+                f.gather(async_op=True)
 
-        return hook
+    def learn_need(self, f: FlatParam) -> None:
+        """The innermost open unit used ``f`` without needing it: from now on it does."""
+        unit = self._units_open[-1]
+        if f not in self._needs[id(unit)]:
+            self._needs[id(unit)] = [*self._needs[id(unit)], f]
+            self._users[f] += 1
+
+    def innermost_unit(self) -> nn.Module | None:
+        return self._units_open[-1] if self._units_open else None
+
+    # ---- backward: saved-tensor hooks ----
+
+    def _pack(self, tensor: torch.Tensor) -> _Saved:
+        scope = self._units_open[-1] if self._units_open else self._open[0].module
+        flat = self._by_storage.get(tensor.untyped_storage()._cdata)
+        if self._outer is None:
+            return _Saved(tensor, scope, flat, None)
+        return _Saved(self._outer[0](tensor), scope, flat, self._outer[1])
+
+    def _unpack(self, saved: _Saved) -> torch.Tensor:
+        self._touch(saved.scope)
+        f = saved.flat
+        if f is not None and f.state is not ParamState.FULL:
+            f.gather()  # waits for an all_gather in flight too
+        if saved.outer_unpack is not None:
+            return saved.outer_unpack(saved.packed)
+        return saved.packed
+
+    def _touch(self, module: nn.Module) -> None:
+        """First use of ``module``'s buffers in this backward: gather them and prefetch the
+        unit(s) that backward reaches next."""
+        if id(module) in self._touched:
+            return
+        self._touched.add(id(module))
+        needs = self._needs[id(module)]
+        for f in needs:
+            f.gather(async_op=True)
+        for f in needs:
+            f.wait_gather()
+        if id(module) in self._units:
+            self._prefetch_after(module, backward=True)
 
     def finish_forward_recording(self) -> None:
         self._recording = False
 
     def finish_backward(self, flats: list[FlatParam]) -> None:
-        """After backward: every unit back to its shard."""
-        self.in_backward = False
-        self._seen_bwd.clear()
-        self._done.clear()
+        """After backward: every buffer back to its shard (none is in use by a forward)."""
+        self._touched.clear()
         for f in flats:
-            f.release()
+            if self._refs.get(f, 0) == 0:
+                f.release()
 
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def _unit_name(module: nn.Module, root: nn.Module | None) -> str:
+    if root is not None:
+        for name, m in root.named_modules():
+            if m is module:
+                return name or "<root>"
+    return type(module).__name__

@@ -51,11 +51,11 @@ class GradReducer:
         self.flats = [f for f in flats if f.trainable]
         self.on_reduced = on_reduced
         self.algorithm, self.links = algorithm, links  # stage 0's all_reduce (comm.algorithms)
-        self._slot: dict[int, tuple[int, ParamSlot]] = {}
+        self._slot: dict[int, tuple[int, int, ParamSlot]] = {}
         self._handles = []
         for i, f in enumerate(self.flats):
-            for slot, p in zip(f.slots, f.params):
-                self._slot[id(p)] = (i, slot)
+            for j, (slot, p) in enumerate(zip(f.slots, f.params)):
+                self._slot[id(p)] = (i, j, slot)
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self._reset_pass()
         self._pending: list[_Pending] = []
@@ -77,8 +77,9 @@ class GradReducer:
         self._reset_pass()
 
     def _on_grad(self, p: nn.Parameter) -> None:
-        i, slot = self._slot[id(p)]
+        i, j, slot = self._slot[id(p)]
         f = self.flats[i]
+        f.used[j] = True
         fresh = f.grad_full is None
         if fresh:  # stages 2-3: allocated when the buffer's first gradient of this pass lands
             f.grad_full = torch.empty(f.padded, dtype=f.dtypes.param, device=f.device)

@@ -2,6 +2,12 @@
 
 Each rank steps only the pieces it owns (ZeRO paper, section 5.1), after unscaling and clipping
 by the global gradient norm, then publishes the updated parameters.
+
+A parameter that no rank produced a gradient for since the last step is not updated at all (as in
+one process, where its ``.grad`` stays None and the optimizer skips it; as DDP with
+``find_unused_parameters=True``): the ranks decide it together with one all_reduce of a
+one-byte-per-parameter "used" map. A parameter only some ranks used gets the average over all
+ranks, the others contributing zeros, as in DDP.
 """
 
 from __future__ import annotations
@@ -60,6 +66,22 @@ def global_sumsq(
     return float(t[0])
 
 
+def used_anywhere(flats: list[FlatParam]) -> list[list[bool]]:
+    """Per flat buffer, per parameter: did any rank produce a gradient for it since the last
+    step. Communicates: one all_reduce (max) of one byte per parameter."""
+    if not flats:
+        return []
+    bits = [u for f in flats for u in f.used]
+    t = torch.tensor(bits, dtype=torch.uint8, device=flats[0].device)
+    comm.all_reduce(t, op="max", group=flats[0].group)
+    flags = [bool(b) for b in t.tolist()]
+    out, start = [], 0
+    for f in flats:
+        out.append(flags[start : start + len(f.used)])
+        start += len(f.used)
+    return out
+
+
 def sharded_step(
     flats: list[FlatParam],
     optimizer: torch.optim.Optimizer,
@@ -71,6 +93,7 @@ def sharded_step(
     skips the step on every rank (and, with loss scaling, lowers the scale); ``grad_norm`` then
     says inf or nan. ``norm``: how the norm sums over groups other than dp (None: dp only)."""
     trainable = [f for f in flats if f.trainable]
+    used = used_anywhere(trainable)
     grads = [f.optimizer_grad() for f in trainable]
     scale = scaler.scale
     sumsq = global_sumsq(trainable, grads, norm)
@@ -80,11 +103,14 @@ def sharded_step(
     coef = 1.0 / scale
     if clip is not None:
         coef *= min(1.0, clip / (grad_norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
-    for f, g in zip(trainable, grads):
+    for f, g, flags in zip(trainable, grads, used):
         if coef != 1.0:
             g.mul_(coef)
+        index = {slot.name: j for j, slot in enumerate(f.slots)}
         for pc, op in zip(f.opt_pieces, f.opt_params):
-            op.grad = g[pc.shard_start : pc.shard_start + pc.numel]
+            # no gradient anywhere: None, so the optimizer leaves it and its states alone
+            used_here = flags[index[pc.slot.name]]
+            op.grad = g[pc.shard_start : pc.shard_start + pc.numel] if used_here else None
     optimizer.step()
     handles = [f.publish_master() for f in trainable]
     for h in handles:
@@ -98,6 +124,7 @@ def zero_grads(flats: list[FlatParam]) -> None:
     and re-attached to the parameters."""
     for f in flats:
         f.grad_shard = f.grad_host = None
+        f.used = [False] * len(f.used)
         for op in f.opt_params:
             op.grad = None
         if f.stage.shard_grads or f.grad_full is None:
