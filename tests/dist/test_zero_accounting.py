@@ -6,7 +6,9 @@ flat buffer is rounded up to a multiple of N, so Ψ_pad = Σ padded sizes < Ψ +
 Communication per step with one micro-step: all_reduce 4Ψ (0); reduce_scatter 4Ψ + all_gather
 4Ψ (1-2); all_gather 8Ψ + reduce_scatter 4Ψ (3), at Ψ_pad; stages 1-3 add one 4-byte all_reduce
 for the global gradient norm. Every stage adds one all_reduce of the "used" map, one byte per
-trainable parameter tensor, that decides which parameters got a gradient on some rank.
+trainable parameter tensor, that decides which parameters got a gradient on some rank; at stage 3
+it carries 16 more bytes, a hash of the order in which buffers were gathered (and its complement)
+that checks every rank gathered the same ones.
 """
 
 from __future__ import annotations
@@ -122,5 +124,6 @@ def test_step_communication_bytes_exact(world, stage):
                                "all_reduce": 4 + used_map}
                 assert stats["all_reduce"]["calls"] == 2  # the gradient norm, the used map
             else:
+                # the used map carries 16 more bytes: the hash of the gather order
                 assert got == {"all_gather": 8 * psi_pad, "reduce_scatter": 4 * psi_pad,
-                               "all_reduce": 4 + used_map}
+                               "all_reduce": 4 + used_map + 16}

@@ -25,6 +25,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.comm.groups import Group
+from shardwise.zero.gather_log import GatherLog
 from shardwise.zero.partition import (
     ParamSlot,
     ShardPiece,
@@ -110,6 +111,7 @@ class FlatParam:
         self._placeholder = torch.full((), fill, dtype=dtypes.param, device=self.device)
         self.state = ParamState.FULL
         self._gather_handle: comm.Handle | None = None
+        self.log: GatherLog | None = None  # stage 3: records every all_gather it starts
         self._gather_src: torch.Tensor | None = None
         self.shard = self.full[self.shard_start : self.shard_stop]
         self.master: torch.Tensor = self.full[self.opt_start : self.opt_stop]
@@ -190,6 +192,8 @@ class FlatParam:
             if not async_op:
                 self.wait_gather()
             return
+        if self.log is not None:
+            self.log.record(self)
         _resize_storage(self.full, self.padded)
         self._gather_src = self.shard
         self._gather_handle = comm.all_gather(

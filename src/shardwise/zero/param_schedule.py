@@ -36,6 +36,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from shardwise.recompute import is_recomputing
 from shardwise.zero.flat_param import FlatParam, ParamState
+from shardwise.zero.gather_log import GatherLog
 from shardwise.zero.param_uses import ExternalUses, explain_storage_error
 
 
@@ -101,6 +102,9 @@ class ParamSchedule:
         self._done: dict[FlatParam, int] = {}
         self._refs: dict[FlatParam, int] = {f: 0 for f in self.flats}
         self._by_storage = {f.full.untyped_storage()._cdata: f for f in self.flats}
+        self.log = GatherLog(self.flats, [_label(f) for f in self.flats])
+        for f in self.flats:
+            f.log = self.log
         self._open: list[_Call] = []
         self._units_open: list[nn.Module] = []  # FORWARD unit calls, innermost last
         self._saved_hooks: saved_tensors_hooks | None = None
@@ -294,6 +298,18 @@ class ParamSchedule:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def _label(f: FlatParam) -> str:
+    """The module path all of a buffer's parameters share (its unit), or ``<root>``."""
+    common = f.names[0].split(".")[:-1]
+    for name in f.names[1:]:
+        path = name.split(".")[:-1]
+        k = 0
+        while k < min(len(common), len(path)) and common[k] == path[k]:
+            k += 1
+        common = common[:k]
+    return ".".join(common) or "<root>"
 
 
 def _unit_name(module: nn.Module, root: nn.Module | None) -> str:

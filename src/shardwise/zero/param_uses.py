@@ -24,7 +24,7 @@ from shardwise.zero.flat_param import FlatParam, ParamState
 if TYPE_CHECKING:
     from shardwise.zero.param_schedule import ParamSchedule
 
-_STORAGE_ERROR = re.compile(r"sizes \[([0-9, ]*)\].*storage offset (\d+).*storage of size 0")
+_STORAGE_ERROR = re.compile(r"storage offset (\d+).*storage of size 0")
 
 
 class ExternalUses(TorchFunctionMode):
@@ -104,14 +104,13 @@ def explain_storage_error(error: BaseException, schedule: ParamSchedule, module:
     match = _STORAGE_ERROR.search(str(error))
     if match is None or getattr(error, "_shardwise_explained", False):
         return
-    shape = tuple(int(s) for s in match.group(1).split(",") if s.strip())
-    offset = int(match.group(2))
+    offset = int(match.group(1))  # a view of the parameter starts inside its slot
     names = [
         name
         for f in schedule.flats
         if f.state is ParamState.SHARDED
         for name, slot in zip(f.names, f.slots)
-        if slot.offset == offset and (tuple(slot.shape) == shape or not shape)
+        if slot.offset <= offset < slot.end
     ]
     user = schedule.unit_name(module)
     root = schedule.root

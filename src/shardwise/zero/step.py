@@ -68,13 +68,22 @@ def global_sumsq(
 
 def used_anywhere(flats: list[FlatParam]) -> list[list[bool]]:
     """Per flat buffer, per parameter: did any rank produce a gradient for it since the last
-    step. Communicates: one all_reduce (max) of one byte per parameter."""
+    step. At stage 3 it also checks that every rank gathered the same buffers (``GatherLog``).
+    Communicates: one all_reduce (max) of one byte per parameter (plus 16 at stage 3)."""
     if not flats:
         return []
+    log = flats[0].log
     bits = [u for f in flats for u in f.used]
-    t = torch.tensor(bits, dtype=torch.uint8, device=flats[0].device)
+    lanes = log.lanes() if log is not None else []
+    t = torch.tensor(bits + lanes, dtype=torch.uint8, device=flats[0].device)
     comm.all_reduce(t, op="max", group=flats[0].group)
-    flags = [bool(b) for b in t.tolist()]
+    values = t.tolist()
+    if log is not None:
+        try:
+            log.check(values[len(bits) :])
+        finally:
+            log.reset()
+    flags = [bool(b) for b in values[: len(bits)]]
     out, start = [], 0
     for f in flats:
         out.append(flags[start : start + len(f.used)])
