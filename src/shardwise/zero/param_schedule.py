@@ -106,6 +106,7 @@ class ParamSchedule:
         for f in self.flats:
             f.log = self.log
         self._open: list[_Call] = []
+        self._skipped: dict[int, int] = {}  # calls whose pre-hook found everything held
         self._units_open: list[nn.Module] = []  # FORWARD unit calls, innermost last
         self._saved_hooks: saved_tensors_hooks | None = None
         self._outer: tuple[Callable[..., Any], Callable[..., Any]] | None = None
@@ -171,7 +172,19 @@ class ParamSchedule:
 
     # ---- forward hooks ----
 
+    def _held(self, module: nn.Module) -> bool:
+        """A module inside a call that already holds all it needs (the common case: a layer
+        inside its unit): its hooks have nothing to do."""
+        if not self._open or id(module) in self._units:
+            return False
+        return all(
+            self._refs[f] > 0 and f.state is ParamState.FULL for f in self._needs[id(module)]
+        )
+
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self._held(module):
+            self._skipped[id(module)] = self._skipped.get(id(module), 0) + 1
+            return
         phase = call_phase()
         unit = id(module) in self._units
         call = _Call(module, phase, unit, self._needs[id(module)])
@@ -191,6 +204,10 @@ class ParamSchedule:
         self._open.append(call)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        skipped = self._skipped.get(id(module), 0)
+        if skipped:
+            self._skipped[id(module)] = skipped - 1
+            return
         while self._open and self._open[-1].module is not module:
             self._open.pop()  # calls whose forward hook never ran (an exception)
         if not self._open:
@@ -227,6 +244,7 @@ class ParamSchedule:
 
     def _end_pass(self) -> None:
         self.uses.stop()
+        self._units_open.clear()  # (empty unless a forward raised)
         for f in self.uses.borrowed:
             self._refs[f] -= 1
         self.uses.borrowed.clear()
