@@ -9,9 +9,9 @@ whoever calls a module, its pre-hook gathers the flat buffers it needs (a unit: 
 of units whose parameters it shares; any other module: those holding its own parameters). A
 unit's pre-hook then prefetches the next unit(s) in the recorded forward order. A buffer is freed
 once the last unit that needs it in this pass has run; what is still gathered when the outermost
-hooked call returns is freed then. Parameters passed to torch functions outside any unit's own
-call (a tied head ``F.linear(h, self.emb.weight)`` in the root's forward) are gathered for that
-use by ``ExternalUses`` (``param_uses``).
+hooked call returns is freed then. Parameters passed to torch functions outside the call of a
+unit that needs them (a tied head ``F.linear(h, self.emb.weight)`` in the root's forward) are
+gathered for that use by ``ExternalUses`` (``param_uses``).
 
 Backward. While a forward pass runs, saved-tensor hooks tag every tensor autograd saves with the
 unit it was saved in, and with its flat buffer when it is a parameter or a view of one. Backward
@@ -25,7 +25,6 @@ its gradients are reduced; ``finish_backward`` frees the rest. ZeRO paper, secti
 from __future__ import annotations
 
 import enum
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +36,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from shardwise.recompute import is_recomputing
 from shardwise.zero.flat_param import FlatParam, ParamState
 from shardwise.zero.gather_log import GatherLog
-from shardwise.zero.param_uses import ExternalUses, explain_storage_error
+from shardwise.zero.param_uses import ExternalUses
 
 
 class Phase(enum.Enum):
@@ -64,7 +63,6 @@ class _Call:
     phase: Phase
     unit: bool
     needs: list[FlatParam]  # as at the call's start (a need learned during it comes later)
-    paused: bool = False  # the external-use mode was paused while this nested unit runs
 
 
 @dataclass(eq=False)
@@ -88,13 +86,11 @@ class ParamSchedule:
         root: nn.Module | None = None,
     ) -> None:
         self.prefetch = prefetch
-        self.root = root
         self.order: list[nn.Module] = []  # unit forward order, recorded until the first backward
         self._recording = True
         self._units = {id(m): m for m in modules}
         self._needs: dict[int, list[FlatParam]] = {id(m): list(n) for m, n in zip(modules, needs)}
         self.flats = list(dict.fromkeys(f for n in needs for f in n))
-        self._unit_name = {id(m): _unit_name(m, root) for m in modules}
         self._users: dict[FlatParam, int] = {}
         for n in self._needs.values():
             for f in n:
@@ -141,9 +137,6 @@ class ParamSchedule:
 
     def needs_of(self, module: nn.Module) -> list[FlatParam]:
         return self._needs[id(module)]
-
-    def unit_name(self, module: nn.Module) -> str:
-        return self._unit_name.get(id(module), type(module).__name__)
 
     def _acquire(self, flats: list[FlatParam]) -> None:
         for f in flats:
@@ -194,8 +187,6 @@ class ParamSchedule:
         if phase is Phase.FORWARD:
             if not self._open:
                 self._begin_pass()
-            elif unit:
-                call.paused = self.uses.pause(recording=self._recording)
             if unit:
                 self._units_open.append(module)
                 if self._recording and module not in self.order:
@@ -213,9 +204,6 @@ class ParamSchedule:
         if not self._open:
             return
         call = self._open.pop()
-        error = sys.exc_info()[1]  # set when forward raised (always_call hooks)
-        if error is not None:
-            explain_storage_error(error, self, module)
         needs = call.needs
         for f in needs:
             self._refs[f] -= 1
@@ -223,8 +211,6 @@ class ParamSchedule:
             return  # inside backward: the reducer and finish_backward free the buffers
         if call.unit:
             self._units_open.pop()
-            if call.paused:
-                self.uses.resume()
             for f in needs:
                 self._done[f] = self._done.get(f, 0) + 1
                 if self._done[f] >= self._users[f]:
@@ -328,11 +314,3 @@ def _label(f: FlatParam) -> str:
             k += 1
         common = common[:k]
     return ".".join(common) or "<root>"
-
-
-def _unit_name(module: nn.Module, root: nn.Module | None) -> str:
-    if root is not None:
-        for name, m in root.named_modules():
-            if m is module:
-                return name or "<root>"
-    return type(module).__name__
