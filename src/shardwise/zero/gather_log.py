@@ -11,12 +11,9 @@ before anything is updated, naming the units this rank gathered.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 import torch
-
-if TYPE_CHECKING:
-    from shardwise.zero.flat_param import FlatParam
 
 HASH_BYTES = 8
 _MASK = (1 << 64) - 1
@@ -26,13 +23,13 @@ _KEEP = 64  # names kept for the error message
 class GatherLog:
     """The buffers gathered since the last step, shared by the flat buffers of one model."""
 
-    def __init__(self, flats: list[FlatParam], labels: list[str]) -> None:
+    def __init__(self, flats: Sequence[object], labels: list[str]) -> None:
         self._index = {id(f): i for i, f in enumerate(flats)}
         self._labels = labels
         self.hash = 0
         self.names: list[str] = []
 
-    def record(self, flat: FlatParam) -> None:
+    def record(self, flat: object) -> None:
         i = self._index[id(flat)]
         self.hash = (self.hash * 1_000_003 + i + 1) & _MASK
         if len(self.names) < _KEEP:

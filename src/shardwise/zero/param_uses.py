@@ -12,20 +12,32 @@ per tensor argument.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from shardwise.zero.flat_param import FlatParam
 
-if TYPE_CHECKING:
-    from shardwise.zero.param_schedule import ParamSchedule
+
+class Schedule(Protocol):
+    """What ``ExternalUses`` needs of the stage-3 schedule (``ParamSchedule``)."""
+
+    flats: list[FlatParam]
+
+    def innermost_unit(self) -> nn.Module | None: ...
+
+    def needs_of(self, module: nn.Module) -> list[FlatParam]: ...
+
+    def learn_need(self, f: FlatParam) -> None: ...
+
+    def borrow(self, f: FlatParam) -> None: ...
 
 
 class ExternalUses(TorchFunctionMode):
     """Gathers sharded parameters that torch functions receive outside their units' calls."""
 
-    def __init__(self, schedule: ParamSchedule) -> None:
+    def __init__(self, schedule: Schedule) -> None:
         super().__init__()
         self.schedule = schedule
         self.flat_of = {id(p): f for f in schedule.flats for p in f.params}
