@@ -179,3 +179,25 @@ def task_grads_many(configs: list[tuple[str, int, int]], n_blocks: int) -> list[
         except ValueError as exc:
             out.append({"refused": str(exc)})
     return out
+
+
+def task_grads_dp(schedule: str, m: int, n_blocks: int) -> dict:
+    """dp2 x pp2: each dp rank runs half the batch through its pipeline, then averages the
+    gradients over dp; returns this rank's gradients and the measured step."""
+    mesh = shardwise.Mesh(pp=2, dp=2)
+    pipe = PipelineModule(layers(n_blocks), lm_loss, mesh, seed=SEED)
+    run = PipelineExecutor(pipe, schedule, microbatches=m)
+    x, y = batch(8)
+    dp = mesh.rank("dp")
+    loss = run.train_batch(x.chunk(2)[dp], y.chunk(2)[dp])
+    shardwise.all_reduce(loss, op="avg", group=mesh.group("dp"))
+    for p in pipe.parameters():
+        shardwise.all_reduce(p.grad, op="avg", group=mesh.group("dp"))
+    times = run.last_step
+    return {
+        "loss": loss.item(),
+        "grads": grads_of(pipe),
+        "coords": mesh.coords,
+        "computes": len(times.slots),
+        "busy_le_wall": 0 < times.busy_s <= times.wall_s,
+    }

@@ -194,3 +194,19 @@ def test_sleeping_stages_take_the_simulated_time(schedule: str, v: int) -> None:
     measured = max(run_on_ranks(p, pc.task_sleep, schedule, m, v, t_f, t_b, timeout_s=300))
     model = simulate(schedule, p, m, virtual_stages=v, t_fwd=t_f, t_bwd=t_b, t_wgrad=0)
     assert measured == pytest.approx(float(model.makespan), rel=0.10)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_dp2_pp2_mesh_matches_one_process(schedule: str) -> None:
+    """Four ranks: each dp replica pipelines half the batch; gradients averaged over dp equal
+    the whole batch's; every rank timed each of its compute actions."""
+    want_loss, want = _reference()
+    out = run_on_ranks(4, pc.task_grads_dp, schedule, 2, N_BLOCKS, timeout_s=300)
+    per_stage = {0: set(), 1: set()}
+    for r, res in enumerate(out):
+        assert res["loss"] == pytest.approx(want_loss, rel=1e-6)
+        for k, g in res["grads"].items():
+            torch.testing.assert_close(g, want[k], rtol=1e-5, atol=1e-6, msg=f"rank {r} {k}")
+        per_stage[res["coords"]["pp"]].update(res["grads"])
+        assert res["computes"] == 2 * (3 if schedule == "zb_h1" else 2) and res["busy_le_wall"]
+    assert per_stage[0] | per_stage[1] == set(want)

@@ -8,6 +8,7 @@ whole batch in one process: each micro-batch's mean loss is scaled by ``grad_sca
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +57,21 @@ class _StepState:
     losses: list[torch.Tensor] = field(default_factory=list)
 
 
+@dataclass
+class StepTimes:
+    """Where this rank's last step went: wall time, time in compute actions, and each compute
+    action's (action, start, end) in seconds from the step's start."""
+
+    wall_s: float = 0.0
+    busy_s: float = 0.0
+    slots: list[tuple[Action, float, float]] = field(default_factory=list)
+
+    @property
+    def bubble(self) -> float:
+        """Measured idle time over compute time on this rank (the simulator's ``bubble_of``)."""
+        return (self.wall_s - self.busy_s) / self.busy_s if self.busy_s else 0.0
+
+
 class PipelineExecutor:
     """Runs ``pipe`` through a pipeline schedule, one step per ``train_batch``.
 
@@ -87,6 +103,7 @@ class PipelineExecutor:
         self.actions = schedule.actions[pipe.pp_rank]
         self.channel = Channel(pipe.pp_group)
         self.steps = 0
+        self.last_step = StepTimes()
         self._peer = {r: pipe.mesh.rank_of(r, *self._dp_tp()) for r in range(pipe.pp_size)}
 
     def _dp_tp(self) -> tuple[int, int]:
@@ -122,14 +139,23 @@ class PipelineExecutor:
     ) -> torch.Tensor:
         st = _StepState(self._split(x, "input"), self._split(y, "target"), train, scale)
         self.channel.begin_step(self.steps)
+        times = StepTimes()
+        start = time.perf_counter()
         try:
             for a in self.actions:
                 if train or a.kind in (Kind.F, Kind.SEND_ACT, Kind.RECV_ACT):
+                    t0 = time.perf_counter()
                     self._do(a, st)
+                    if a.kind.is_compute:
+                        t1 = time.perf_counter()
+                        times.slots.append((a, t0 - start, t1 - start))
+                        times.busy_s += t1 - t0
                 self.channel.release_completed()
             self.channel.wait_all()
         finally:
             self.steps += 1
+        times.wall_s = time.perf_counter() - start
+        self.last_step = times
         if train and reduce_tied:
             self.pipe.reduce_tied_grads()
         return self._mean_loss(st)
