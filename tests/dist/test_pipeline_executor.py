@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pipeline_cases as pc
@@ -186,14 +187,19 @@ def test_bad_messages_fail_on_every_rank(task, first: str, tmp_path, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir())
 
 
+@pytest.mark.skipif(
+    os.environ.get("SHARDWISE_TIMED_TESTS") != "1",
+    reason="a wall-clock check: set SHARDWISE_TIMED_TESTS=1 on a quiet machine",
+)
 @pytest.mark.parametrize("schedule, v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])
 def test_sleeping_stages_take_the_simulated_time(schedule: str, v: int) -> None:
-    """Stages sleep t_fwd / t_bwd per micro-batch (no CPU contention): the measured step is the
-    simulated one within 10%."""
-    p, m, t_f, t_b = 4, 4, 0.04, 0.08
+    """Stages sleep t_fwd / t_bwd per micro-batch instead of computing, so 4 ranks do not
+    contend for the cores: the measured step is the simulated one within 10%. Wall-clock, so
+    opt-in: on a machine loaded far beyond its cores every wake-up waits for a core."""
+    p, m, t_f, t_b = 4, 4, 0.1, 0.2
     measured = max(run_on_ranks(p, pc.task_sleep, schedule, m, v, t_f, t_b, timeout_s=300))
     model = simulate(schedule, p, m, virtual_stages=v, t_fwd=t_f, t_bwd=t_b, t_wgrad=0)
-    assert measured == pytest.approx(float(model.makespan), rel=0.10)
+    assert measured == pytest.approx(float(model.makespan), rel=0.10), (measured, model.makespan)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
