@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,12 +28,14 @@ class _GradSink(torch.autograd.Function):
     (set later in ``box``), so the output itself can be freed once it has been sent."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, box: list[torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, out: torch.Tensor, box: list[torch.Tensor]
+    ) -> torch.Tensor:
         ctx.box = box
         return out.new_zeros(())
 
     @staticmethod
-    def backward(ctx, _: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         return ctx.box[0], None
 
 
@@ -166,7 +169,8 @@ class PipelineExecutor:
         if last in self.pipe.stage_ids:
             loss = torch.stack(st.losses).float().mean()
         src = self._peer[self.schedule.rank_of(last)]
-        return comm.broadcast(loss, src=src, group=self.pipe.pp_group)
+        comm.broadcast(loss, src=src, group=self.pipe.pp_group)
+        return loss
 
     def _do(self, a: Action, st: _StepState) -> None:
         key = (a.stage, a.mb)
@@ -189,16 +193,18 @@ class PipelineExecutor:
 
     def _forward(self, stage: int, mb: int, st: _StepState) -> None:
         inp = st.x[mb] if stage == 0 else st.inputs.pop((stage, mb))
+        box: list[torch.Tensor] | None = None
+        anchor: torch.Tensor | None = None
         with torch.set_grad_enabled(st.train):
             out = self.pipe.forward_stage(stage, inp)
             last = stage == self.pipe.num_stages - 1
             if last:
                 loss = self.pipe.loss_fn(out, st.y[mb])
                 st.losses.append(loss.detach())
-                anchor, box = loss * (st.scale / self.schedule.microbatches), None
-            else:
+                anchor = loss * (st.scale / self.schedule.microbatches)
+            elif out.requires_grad:
                 box = []
-                anchor = _GradSink.apply(out, box) if out.requires_grad else None
+                anchor = _GradSink.apply(out, box)
         if st.train:
             needs_grad = stage > 0 and inp.requires_grad
             st.saved[(stage, mb)] = _Saved(inp if needs_grad else None, anchor, box)

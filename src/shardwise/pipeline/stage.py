@@ -210,11 +210,12 @@ class PipelineModule(nn.Module):
     def reduce_tied_grads(self) -> None:
         """Sum each tied module's gradients over its holders (one all_reduce per key)."""
         for key, g in self._tied_groups.items():
-            params = list(self.tied[key].parameters())
-            for p in params:
+            grads = []
+            for p in self.tied[key].parameters():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            comm.all_reduce_coalesced([p.grad for p in params], op="sum", group=g)
+                grads.append(p.grad)
+            comm.all_reduce_coalesced(grads, op="sum", group=g)
 
     def forward_stage(self, stage: int, x: torch.Tensor) -> torch.Tensor:
         """Run ``x`` through the layers of ``stage`` (one of this rank's)."""
