@@ -113,3 +113,21 @@ def test_sighup_without_grace_kills_and_says_no_checkpoint(tmp_path):
     assert "stopped by SIGHUP; the ranks did not finish within the grace period" in cli.output
     assert "no checkpoint was written (the run has none)" in cli.output
     assert not list(run_dir.checkpoints.glob("step-*"))
+
+
+def test_sigint_to_one_rank_stops_all_after_the_same_step_with_130(tmp_path):
+    run_dir = RunDir(tmp_path / "run")
+    cli = _train(run_dir, "--steps", "3000", "--checkpoint-every", "1000")
+    try:
+        _wait_steps(run_dir, cli, 3)
+        ranks = wait_ranks(cli, 2)
+        next(r for r in ranks if r.environ().get("RANK") == "1").send_signal(signal.SIGINT)
+        assert cli.finish() == 130, cli.output[-4000:]
+        assert_all_gone(ranks)
+    finally:
+        cli.cleanup()
+    summary = json.loads(run_dir.summary.read_text())
+    assert summary["status"] == "stopped by SIGINT"
+    assert f"stopped by SIGINT: checkpoint of step {summary['steps']} written" in cli.output
+    assert verify(run_dir.checkpoints / f"step-{summary['steps']:08d}").step == summary["steps"]
+    assert "Traceback" not in cli.output

@@ -7,9 +7,11 @@ restarts all of them after a failure.
 - SIGINT, SIGTERM and SIGHUP to the launcher are forwarded to the ranks (SIGHUP as SIGTERM), which
   get ``grace_s`` seconds to finish (a training run ends its step and saves); then SIGKILL.
   A second signal kills at once.
-- A rank that fails (exits non-zero, except 129/130/143, which mean it was asked to stop) stops
-  the others (SIGTERM, then SIGKILL after ``FAILURE_GRACE_S``); with restarts left, every rank
-  starts again with ``SHARDWISE_RESTART_COUNT`` one higher. Across nodes, the rendezvous store
+- A rank that exits 129/130/143 was asked to stop (a signal to that rank alone): the others get
+  the grace period to stop too (a training run stops all ranks after the same step).
+- A rank that fails (exits non-zero otherwise) stops the others (SIGTERM, then SIGKILL after
+  ``FAILURE_GRACE_S``); with restarts left, every rank starts again with
+  ``SHARDWISE_RESTART_COUNT`` one higher. Across nodes, the rendezvous store
   tells every node (see ``run_rendezvous``).
 """
 
@@ -162,6 +164,37 @@ class _Outcome:
     failed_rank: int | None = None
 
 
+def _check_ranks(
+    procs: RankProcs,
+    stopping: tuple[int, float] | None,
+    grace_s: Callable[[], float],
+    rdzv: Rendezvous | None,
+    attempt: int,
+) -> tuple[_Outcome | None, tuple[int, float] | None]:
+    """Look at the ranks' exit codes once. Returns the outcome when the attempt is over, and
+    ``(code, deadline)`` once a rank exited asked to stop (129/130/143): the others then get
+    the grace period to follow (a rank that failed since is a consequence, not the cause)."""
+    codes = procs.codes()
+    if all(c == 0 for c in codes):
+        return _Outcome(0), stopping
+    for local, code in enumerate(codes):
+        if code is None or code == 0 or stopping is not None:
+            continue
+        if exit_code(code) in STOPPED_CODES:
+            stopping = (exit_code(code), time.monotonic() + grace_s())
+            continue
+        if rdzv is not None:
+            rdzv.mark_failed(attempt)
+        procs.stop(signal.SIGTERM, FAILURE_GRACE_S, None)
+        return _Outcome(exit_code(code), failed_rank=procs.first_rank + local), None
+    if stopping is not None and (
+        all(c is not None for c in codes) or time.monotonic() > stopping[1]
+    ):
+        procs.stop(signal.SIGTERM, FAILURE_GRACE_S, None)
+        return _Outcome(stopping[0]), stopping
+    return None, stopping
+
+
 def _watch(
     procs: RankProcs,
     latch: _SignalLatch,
@@ -171,6 +204,7 @@ def _watch(
     attempt: int,
 ) -> _Outcome:
     last_remote_check = time.monotonic()
+    stopping: tuple[int, float] | None = None
     while True:
         if latch.received:
             sig = latch.received[0]
@@ -179,18 +213,12 @@ def _watch(
             forward = signal.SIGTERM if sig == signal.SIGHUP else sig
             in_time = procs.stop(forward, grace, latch)
             return _Outcome(128 + int(sig), sig, killed=not in_time)
-        codes = procs.codes()
-        for local, code in enumerate(codes):
-            if code is not None and code != 0:
-                if rdzv is not None and exit_code(code) not in STOPPED_CODES:
-                    rdzv.mark_failed(attempt)
-                procs.stop(signal.SIGTERM, FAILURE_GRACE_S, None)
-                return _Outcome(exit_code(code), failed_rank=procs.first_rank + local)
-        if all(c == 0 for c in codes):
-            return _Outcome(0)
-        if time.monotonic() - last_remote_check > 1.0:
+        outcome, stopping = _check_ranks(procs, stopping, grace_s, rdzv, attempt)
+        if outcome is not None:
+            return outcome
+        if rdzv is not None and time.monotonic() - last_remote_check > 1.0:
             last_remote_check = time.monotonic()
-            if rdzv is not None and rdzv.failed(attempt):
+            if stopping is None and rdzv.failed(attempt):
                 say("ranks on another node failed: stopping this node's ranks")
                 procs.stop(signal.SIGTERM, FAILURE_GRACE_S, None)
                 return _Outcome(1)

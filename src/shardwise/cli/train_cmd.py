@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from typing import Any
 
 from shardwise.cli import train_preflight as preflight
 from shardwise.cli.launch import DEFAULT_GRACE_S, add_launch_args, check_launch_args, launch
-from shardwise.cli.run_agent import LaunchResult
+from shardwise.cli.run_agent import STOPPED_CODES, LaunchResult
 from shardwise.config import COUNT_MAX, PRECISIONS, Config
 from shardwise.train.lock import RunDirLock
 from shardwise.train.metrics import read_metrics
@@ -273,9 +274,8 @@ def _report(run_dir: RunDir, code: int, started: float) -> None:
 def _stop_message(run_dir: RunDir, result: LaunchResult, before: int | None) -> int:
     """Say whether stopping wrote a checkpoint; returns the exit code (128 + the signal when
     it did, 137 when the ranks had to be killed)."""
-    assert result.stop_signal is not None
     after = _newest_checkpoint(run_dir)
-    name = result.stop_signal.name
+    name = (result.stop_signal or signal.Signals(result.code - 128)).name
     if result.killed:
         kept = "the run has none" if after is None else f"the newest is step {after}"
         print(
@@ -326,7 +326,7 @@ def run_train(args: argparse.Namespace) -> int:
             lock.release()
     _report(run_dir, result.code, started)
     code = result.code
-    if result.stop_signal is not None:
+    if result.stop_signal is not None or code in STOPPED_CODES:
         code = _stop_message(run_dir, result, before)
     if code != 0:
         print(f"continue with: shardwise train --run-dir {run_dir.root} --resume")
