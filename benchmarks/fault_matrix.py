@@ -43,7 +43,7 @@ CASES: dict[str, tuple[str, str]] = {
     ),
     "test_elastic": ("3", "`run` script: rank SIGKILLed, restart resumes"),
     "test_launcher_faults::test_ctrl_c_on_run_exits_130": ("4", "Ctrl-C on `run`"),
-    "test_launcher_faults::test_sigint_to_one_rank_exits_130": ("4", "SIGINT to one rank"),
+    "test_launcher_faults::test_sigint_to_one_rank_exits_130": ("4", "SIGINT to one rank of `run`"),
     "test_launcher_faults::test_a_rank_that_ignores_sigterm_is_killed_after_the_grace_period": (
         "4",
         "SIGHUP, a rank ignoring SIGTERM, grace 2 s",
@@ -56,6 +56,7 @@ CASES: dict[str, tuple[str, str]] = {
         "4",
         "SIGHUP to train, --grace-period-s 0",
     ),
+    "test_train_faults::test_sigint_to_one_rank": ("4", "SIGINT to one rank of train"),
     "test_train_e2e::test_ctrl_c_stops_every_rank_then_resume_continues": (
         "4",
         "Ctrl-C on train, then resume",

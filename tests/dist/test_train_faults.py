@@ -7,7 +7,9 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 
+import psutil
 from launcher_procs import TINY_TRAIN, Cli, assert_all_gone, wait_ranks
 
 from shardwise.checkpoint import verify
@@ -25,6 +27,19 @@ def _wait_steps(run_dir: RunDir, cli: Cli, n: int, timeout: float = 180) -> None
         if cli.proc.poll() is not None or time.monotonic() > deadline:
             raise AssertionError(f"no step {n}:\n{cli.output[-4000:]}")
         time.sleep(0.1)
+
+
+def _stop_midway(run_dir: RunDir, cli: Cli, stop: Callable[[list[psutil.Process]], None]) -> int:
+    """After step 3, ``stop(ranks)``; returns the launcher's exit code once no rank is left."""
+    try:
+        _wait_steps(run_dir, cli, 3)
+        ranks = wait_ranks(cli, 2)
+        stop(ranks)
+        code = cli.finish()
+        assert_all_gone(ranks)
+        return code
+    finally:
+        cli.cleanup()
 
 
 def _steps(run_dir: RunDir) -> list[int]:
@@ -78,14 +93,8 @@ def test_a_killed_rank_restarts_from_the_newest_checkpoint_keeping_the_metrics(t
 def test_sigterm_saves_and_says_so(tmp_path):
     run_dir = RunDir(tmp_path / "run")
     cli = _train(run_dir, "--steps", "3000", "--checkpoint-every", "1000")
-    try:
-        _wait_steps(run_dir, cli, 3)
-        ranks = wait_ranks(cli, 2)
-        cli.proc.send_signal(signal.SIGTERM)
-        assert cli.finish() == 143, cli.output[-4000:]
-        assert_all_gone(ranks)
-    finally:
-        cli.cleanup()
+    code = _stop_midway(run_dir, cli, lambda ranks: cli.proc.send_signal(signal.SIGTERM))
+    assert code == 143, cli.output[-4000:]
     stopped = json.loads(run_dir.summary.read_text())["steps"]
     assert f"stopped by SIGTERM: checkpoint of step {stopped} written" in cli.output
     assert verify(run_dir.checkpoints / f"step-{stopped:08d}").step == stopped
@@ -102,14 +111,8 @@ def test_sigterm_saves_and_says_so(tmp_path):
 def test_sighup_without_grace_kills_and_says_no_checkpoint(tmp_path):
     run_dir = RunDir(tmp_path / "run")
     cli = _train(run_dir, "--steps", "3000", "--checkpoint-every", "1000", "--grace-period-s", "0")
-    try:
-        _wait_steps(run_dir, cli, 3)
-        ranks = wait_ranks(cli, 2)
-        cli.proc.send_signal(signal.SIGHUP)
-        assert cli.finish() == 137, cli.output[-4000:]
-        assert_all_gone(ranks)
-    finally:
-        cli.cleanup()
+    code = _stop_midway(run_dir, cli, lambda ranks: cli.proc.send_signal(signal.SIGHUP))
+    assert code == 137, cli.output[-4000:]
     assert "stopped by SIGHUP; the ranks did not finish within the grace period" in cli.output
     assert "no checkpoint was written (the run has none)" in cli.output
     assert not list(run_dir.checkpoints.glob("step-*"))
@@ -118,14 +121,11 @@ def test_sighup_without_grace_kills_and_says_no_checkpoint(tmp_path):
 def test_sigint_to_one_rank_stops_all_after_the_same_step_with_130(tmp_path):
     run_dir = RunDir(tmp_path / "run")
     cli = _train(run_dir, "--steps", "3000", "--checkpoint-every", "1000")
-    try:
-        _wait_steps(run_dir, cli, 3)
-        ranks = wait_ranks(cli, 2)
+
+    def sigint_rank_1(ranks: list[psutil.Process]) -> None:
         next(r for r in ranks if r.environ().get("RANK") == "1").send_signal(signal.SIGINT)
-        assert cli.finish() == 130, cli.output[-4000:]
-        assert_all_gone(ranks)
-    finally:
-        cli.cleanup()
+
+    assert _stop_midway(run_dir, cli, sigint_rank_1) == 130, cli.output[-4000:]
     summary = json.loads(run_dir.summary.read_text())
     assert summary["status"] == "stopped by SIGINT"
     assert f"stopped by SIGINT: checkpoint of step {summary['steps']} written" in cli.output
