@@ -8,3 +8,15 @@ def _rank_pools():
     """Rank pools live for the whole run and are closed at its end."""
     yield
     close_pools()
+
+
+@pytest.fixture
+def world_of_one():
+    """shardwise initialized in this process as a world of one (gloo), torn down after."""
+    import shardwise
+    from shardwise.comm.groups import reset_world
+
+    shardwise.init(backend="gloo")
+    yield
+    shardwise.shutdown()
+    reset_world()

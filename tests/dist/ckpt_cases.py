@@ -219,3 +219,37 @@ def from_pretrained(stage: int, sources: list[Any]) -> list[dict[str, torch.Tens
         engine.load_full_state(src)
         out.append(engine.state_dict())
     return out
+
+
+# ---- a damaged newest checkpoint is set aside; a lost journal is rebuilt ----
+
+
+def set_aside_and_continue(root: str) -> dict[str, Any]:
+    """Train 4 steps uninterrupted; then 3 steps saving each, damage step 3, resume (falls back
+    to 2, sets 3 aside) and train on to 4, saving 3 and 4 again; then lose the journal and
+    resume from the rebuilt one."""
+    reference = make_engine(2)
+    train(reference, 0, 4)
+    engine = make_engine(2, checkpoint_dir=root, checkpoint_every=1)
+    train(engine, 0, 3)
+    comm.barrier()
+    if shardwise.rank() == 0:
+        _damage(Path(root), "flip")
+    comm.barrier()
+    resumed = make_engine(2, checkpoint_dir=root, checkpoint_every=1, resume="auto")
+    state = resumed.resume()
+    start = resumed.global_step
+    train(resumed, start, 4)
+    comm.barrier()
+    if shardwise.rank() == 0:
+        (Path(root) / "journal.log").unlink()
+    comm.barrier()
+    rebuilt = make_engine(2, checkpoint_dir=root, resume="auto")
+    rebuilt.resume()
+    return {
+        "resumed_from": None if state is None else state["global_step"],
+        "rebuilt_step": rebuilt.global_step,
+        "reference": reference.state_dict(),
+        "continued": resumed.state_dict(),
+        "rebuilt": rebuilt.state_dict(),
+    }

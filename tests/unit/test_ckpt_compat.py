@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ from safetensors.torch import load_file
 
 import shardwise
 from shardwise.checkpoint import CheckpointError, CheckpointReader, verify
-from shardwise.comm.groups import reset_world
 from shardwise.models import GPT, GPTConfig
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "ckpt_v1"
@@ -27,14 +25,6 @@ def v1(tmp_path: Path) -> Path:
     root = tmp_path / "checkpoints"
     shutil.copytree(FIXTURE / "checkpoints", root)
     return root
-
-
-@pytest.fixture
-def world() -> Iterator[None]:
-    shardwise.init(backend="gloo")
-    yield
-    shardwise.shutdown()
-    reset_world()
 
 
 def _expected(prefix: str) -> dict[str, torch.Tensor]:
@@ -58,7 +48,7 @@ def test_reader_reads_every_tensor_of_format_1(v1: Path) -> None:
 
 
 def test_engine_loads_format_1_and_saves_format_2(
-    v1: Path, tmp_path: Path, world: None, caplog: pytest.LogCaptureFixture
+    v1: Path, tmp_path: Path, world_of_one: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     torch.manual_seed(0)
     model = GPT(CFG)

@@ -186,13 +186,13 @@ def write_shard_file(
     return total, sink.digest.hexdigest()
 
 
-def read_safetensors_metadata(data: bytes, path: Path) -> dict[str, str]:
-    """The ``__metadata__`` of safetensors bytes (read from ``path``, for messages)."""
+def read_safetensors_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of the bytes of a safetensors file; ValueError if they are not one."""
     if len(data) < 8:
-        raise ValueError(f"{path}: too short for a safetensors file")
+        raise ValueError("too short for a safetensors file")
     (n,) = struct.unpack("<Q", data[:8])
     if n > len(data) - 8:
-        raise ValueError(f"{path}: safetensors header length {n} exceeds the file")
+        raise ValueError(f"safetensors header length {n} exceeds the file")
     header = json.loads(data[8 : 8 + n].decode())
     meta = header.get("__metadata__") if isinstance(header, dict) else None
     return meta if isinstance(meta, dict) else {}

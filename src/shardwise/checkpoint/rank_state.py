@@ -14,7 +14,6 @@ in place of them, is JSON in the file's metadata under ``shardwise.rank_state``:
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -91,17 +90,17 @@ def _decode(doc: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return {k: _decode(v, tensors) for k, v in doc.items()}
 
 
-def decode_rank_state(data: bytes, path: Path) -> Any:
-    """The value stored by :func:`encode_rank_state` in ``data`` (read from ``path``).
+def decode_rank_state(data: bytes) -> Any:
+    """The value stored by :func:`encode_rank_state` in ``data``.
 
     Raises:
-        ValueError naming ``path`` when the bytes are not such a file.
+        ValueError when the bytes are not such a file.
     """
     try:
-        meta = read_safetensors_metadata(data, path)
+        meta = read_safetensors_metadata(data)
         if META_KEY not in meta:
             raise ValueError(f"no {META_KEY!r} metadata")
         tensors = load_safetensors(data) if len(data) > 8 else {}
         return _decode(json.loads(meta[META_KEY]), tensors)
     except Exception as exc:  # safetensors raises its own error types
-        raise ValueError(f"{path}: not a readable rank state ({exc})") from exc
+        raise ValueError(f"not a readable rank state ({exc})") from exc

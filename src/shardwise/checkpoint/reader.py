@@ -94,7 +94,7 @@ class CheckpointReader:
             )
         path = check_file(self.path, record.name, record.size, record.sha256)
         try:
-            return decode_rank_state(path.read_bytes(), path)
+            return decode_rank_state(path.read_bytes())
         except ValueError as exc:
             raise CheckpointError(str(exc), path) from exc
 

@@ -1,10 +1,12 @@
-"""``shardwise checkpoint``: look at, check and export a checkpoint offline (no ranks needed).
+"""``shardwise checkpoint``: look at, check, export and retire checkpoints offline (no ranks).
 
     shardwise checkpoint inspect PATH              # summary, engine settings, verification
     shardwise checkpoint verify PATH               # exit 0 when intact, 1 (one line) when not
     shardwise checkpoint export PATH OUT.safetensors
+    shardwise checkpoint retire ROOT STEP [--delete]   # set a step aside (or delete it)
 
-PATH is a checkpoint root (its latest committed step) or a ``step-N`` directory.
+PATH is a checkpoint root (its latest committed step) or a ``step-N`` directory. ``inspect``
+exits 1 when the checkpoint is missing, unreadable or does not verify.
 """
 
 from __future__ import annotations
@@ -13,12 +15,22 @@ import argparse
 import sys
 from pathlib import Path
 
-from shardwise.checkpoint import CheckpointError, inspect, verify_cli
+from shardwise.checkpoint import (
+    CheckpointError,
+    delete_checkpoint,
+    inspect,
+    set_aside,
+    verify_cli,
+)
 from shardwise.engine_weights import describe, export_model_state
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    print(inspect(args.path))
+    text = inspect(args.path)
+    print(text)
+    ok, _ = verify_cli(args.path)
+    if not ok:
+        return 1
     print(describe(args.path))
     return 0
 
@@ -32,18 +44,32 @@ def _verify(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     try:
         names = export_model_state(args.path, args.out)
-    except CheckpointError as exc:
+    except (CheckpointError, ValueError) as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
     print(f"exported {len(names)} tensors (fp32 model state, tied aliases included) to {args.out}")
     return 0
 
 
+def _retire(args: argparse.Namespace) -> int:
+    try:
+        if args.delete:
+            delete_checkpoint(args.root, args.step)
+            print(f"deleted step {args.step} of {args.root}")
+        else:
+            kept = set_aside(args.root, args.step, "retired with shardwise checkpoint retire")
+            print(f"set step {args.step} aside as {kept} (no longer a checkpoint)")
+    except (CheckpointError, ValueError, OSError) as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Register ``shardwise checkpoint inspect | verify | export``."""
+    """Register ``shardwise checkpoint inspect | verify | export | retire``."""
     p = sub.add_parser(
         "checkpoint",
-        help="inspect, verify or export a sharded checkpoint",
+        help="inspect, verify, export or retire sharded checkpoints",
         description="Offline tools for sharded checkpoints. PATH is a "
         "checkpoint root (its latest committed step) or a step-N "
         "directory.",
@@ -63,3 +89,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("path", type=Path)
     c.add_argument("out", type=Path, help="output file, e.g. model.safetensors")
     c.set_defaults(func=_export)
+    c = cmds.add_parser(
+        "retire",
+        help="retire a step: renamed to damaged-step-N and kept for inspection (or --delete)",
+        description="Retire step STEP of checkpoint root ROOT: the journal records it gone, "
+        "then its directory is renamed to damaged-step-N (kept) or, with --delete, removed. "
+        "A resumed run then continues from the newest step left and saves STEP again.",
+    )
+    c.add_argument("root", type=Path, help="checkpoint root (holding journal.log)")
+    c.add_argument("step", type=int, help="the step to retire")
+    c.add_argument("--delete", action="store_true", help="remove its files instead of keeping")
+    c.set_defaults(func=_retire)

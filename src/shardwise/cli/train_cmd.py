@@ -24,7 +24,7 @@ from shardwise.train.lock import RunDirLock
 from shardwise.train.metrics import read_metrics
 from shardwise.train.options import DEFAULT_STEPS, RunConfig, TrainOptions
 from shardwise.train.progress import format_duration, format_rate
-from shardwise.train.rundir import RunDir, latest_run_dir, new_run_dir
+from shardwise.train.rundir import CHECKPOINTS_NAME, RunDir, latest_run_dir, new_run_dir
 from shardwise.train.summary import read_summary
 
 EXIT_KILLED = 128 + 9
@@ -156,7 +156,7 @@ def _engine_config(args: argparse.Namespace, run_dir: RunDir) -> Config:
         values["activation_checkpointing"] = ["Block"]
     if args.checkpoint_every is not None:
         values["checkpoint_every"] = args.checkpoint_every
-    values["checkpoint_dir"] = str(run_dir.checkpoints.resolve())
+    values["checkpoint_dir"] = CHECKPOINTS_NAME  # relative to the run dir: it may move
     values["resume"] = "never"  # the worker resumes explicitly (--resume), with the sampler
     return Config.from_dict(values)
 
@@ -214,7 +214,7 @@ def _resumed_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir]:
             f"--nproc-per-node {saved_nproc}"
         )
     opts = dataclasses.replace(run.train, **_given(args, RESUMABLE))
-    engine = run.engine
+    engine = run.engine.replace(checkpoint_dir=CHECKPOINTS_NAME)  # a moved run keeps its own
     if args.checkpoint_every is not None:
         engine = engine.replace(checkpoint_every=args.checkpoint_every)
     return RunConfig(

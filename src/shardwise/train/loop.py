@@ -27,7 +27,7 @@ from shardwise.train.progress import Progress, format_rate
 from shardwise.train.rundir import RunDir
 from shardwise.train.schedule import lr_at
 from shardwise.train.stop import StopRequest
-from shardwise.train.summary import build_summary, write_summary
+from shardwise.train.summary import build_summary, discard_summary, write_summary
 
 log = logging.getLogger("shardwise.train")
 
@@ -63,6 +63,8 @@ class Trainer:
                 f"{self.world} started: launch it with matching --nproc-per-node"
             )
         self.started = time.perf_counter()
+        if resume and self.rank == 0:  # if this launch fails, no summary says the run ended
+            discard_summary(run_dir.summary)
         cfg = run.model
         self.corpus = load_corpus(self.opts.data, max_bytes=self.opts.max_bytes)
         torch.manual_seed(run.engine.seed)
@@ -70,7 +72,8 @@ class Trainer:
         optimizer = torch.optim.AdamW(
             param_groups(model, self.opts.weight_decay), lr=self.opts.lr, betas=(0.9, 0.95)
         )
-        engine_cfg = run.engine.replace(resume="auto") if resume else run.engine
+        engine_cfg = run_dir.engine_config(run.engine)  # this run dir's checkpoints, always
+        engine_cfg = engine_cfg.replace(resume="auto") if resume else engine_cfg
         self.engine: Engine = shardwise.initialize(model, optimizer, engine_cfg)
         self.sampler = DistributedBatchSampler(
             self.corpus.train,
@@ -90,6 +93,7 @@ class Trainer:
         self.saved_step: int | None = self.engine.global_step if self.step else None
         comm.comm_stats(reset=True)  # setup's broadcasts and loading are not the first step's
         self.last_val: float | None = None
+        self.prior_wall_s = 0.0  # earlier launches of a resumed run (rank 0 knows it)
 
     # ---- one step ----
 
@@ -171,6 +175,7 @@ class Trainer:
             "exposed_comm_s": [p["exposed_comm_s"] for p in parts],
             "memory": [p["memory"] for p in parts],
             "elapsed_s": time.perf_counter() - self.started,
+            "wall_s": self.prior_wall_s + time.perf_counter() - self.started,
         }
         if val_loss is not None:
             record["val_loss"] = val_loss
@@ -221,6 +226,8 @@ class Trainer:
         writer = (
             MetricsWriter(self.dir.metrics, self.step if self.resumed else None) if lead else None
         )
+        if writer is not None and self.resumed:
+            self.prior_wall_s = writer.prior_wall_s
         progress = Progress(self.opts.steps, self.step, self.opts.log_every) if lead else None
         if progress is not None:
             progress.message(
@@ -256,7 +263,7 @@ class Trainer:
             status=status,
             unigram_baseline=unigram,
             final_val_loss=vals[-1] if vals else None,
-            wall_time_s=time.perf_counter() - self.started,
+            wall_time_s=self.prior_wall_s + time.perf_counter() - self.started,
         )
         write_summary(self.dir.summary, summary)
         val = summary["final_val_loss"]

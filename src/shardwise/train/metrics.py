@@ -12,15 +12,19 @@ Keys of a step record (units in the names where they have one):
 - ``memory``: per rank, ``Engine.memory()`` bytes by category, taken after the last backward of
   the step, when gradients are held.
 - ``val_loss``: only on evaluation steps, the validation loss averaged over ranks.
-- ``elapsed_s``: seconds since the ranks started (this launch).
+- ``elapsed_s``: seconds since the ranks started (this launch); ``wall_s``: seconds of the whole
+  run so far, over every launch of a resumed run (earlier launches up to their last record).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import IO, Any
+
+log = logging.getLogger("shardwise.train")
 
 
 def _finite(value: Any) -> Any:
@@ -39,15 +43,30 @@ class MetricsWriter:
 
     Args:
         path: the file; created if missing.
-        resume_step: on a resumed run, the step the run restarts from: records after it (steps
-            that were trained but not checkpointed) are dropped first, so every step appears
-            once.
+        resume_step: on a resumed run, the step the run restarts from (0 when it starts over):
+            records after it (steps trained but not checkpointed, which are trained again) are
+            dropped first, so every step appears once. Nothing else is ever cut.
+
+    ``prior_wall_s`` is the wall time of the earlier launches of the run: the ``wall_s`` (or,
+    in files written before it existed, ``elapsed_s``) of the file's last record before the cut.
     """
 
     def __init__(self, path: Path, resume_step: int | None = None) -> None:
         self.path = path
+        self.prior_wall_s = 0.0
         if resume_step is not None and path.exists():
-            kept = [r for r in read_metrics(path) if r.get("step", 0) <= resume_step]
+            records = read_metrics(path)
+            if records:
+                last = records[-1]
+                self.prior_wall_s = float(last.get("wall_s", last.get("elapsed_s")) or 0.0)
+            kept = [r for r in records if r.get("step", 0) <= resume_step]
+            if len(kept) < len(records):
+                log.warning(
+                    "%s: dropping %d records after step %d (trained again from that step)",
+                    path,
+                    len(records) - len(kept),
+                    resume_step,
+                )
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
             tmp.replace(path)

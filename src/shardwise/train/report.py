@@ -147,7 +147,7 @@ def write_report(run_root: Path, out_dir: Path | None = None) -> list[Path]:
             status="running",
             unigram_baseline=None,
             final_val_loss=vals[-1] if vals else None,
-            wall_time_s=records[-1].get("elapsed_s", 0.0),
+            wall_time_s=records[-1].get("wall_s", records[-1].get("elapsed_s", 0.0)),
         )
     out = out_dir or run_dir.report
     out.mkdir(parents=True, exist_ok=True)

@@ -9,13 +9,26 @@ A run directory holds::
       final_model.safetensors  full model weights at the last step, written by rank 0
       checkpoints/             sharded checkpoints (see shardwise.checkpoint.layout)
       report/                  plots and report.html from ``shardwise report``
+
+Every path inside a run directory is relative to it: ``config.json`` stores ``checkpoint_dir``
+as ``"checkpoints"``, and a run always saves into and resumes from the ``checkpoints/`` of the
+directory it was started in (:meth:`RunDir.engine_config`). A moved or copied run directory
+therefore uses its own checkpoints and never writes outside itself.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from shardwise.config import Config
+
+log = logging.getLogger("shardwise.train")
+
+CHECKPOINTS_NAME = "checkpoints"
+"""``config.json``'s ``checkpoint_dir``: relative to the run directory."""
 
 RUNS_ROOT = Path("runs")
 """Where run directories go when ``--run-dir`` is not given (relative to the working dir)."""
@@ -45,11 +58,32 @@ class RunDir:
 
     @property
     def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
+        return self.root / CHECKPOINTS_NAME
 
     @property
     def report(self) -> Path:
         return self.root / "report"
+
+    def engine_config(self, config: Config) -> Config:
+        """``config`` with ``checkpoint_dir`` set to this directory's ``checkpoints/``.
+
+        A stored relative ``checkpoint_dir`` is taken relative to this directory; one that
+        points anywhere else (an absolute path written before paths were relative, or the
+        original's path in a moved or copied run directory) is replaced, with a warning: a
+        run never reads or writes another directory's checkpoints.
+        """
+        own = self.checkpoints
+        stored = config.checkpoint_dir
+        if stored is not None:
+            where = self.root / stored if not Path(stored).is_absolute() else Path(stored)
+            if where.resolve() != own.resolve():
+                log.warning(
+                    "config.json names checkpoint_dir %s, which is not this run directory's "
+                    "(it was moved or copied): using %s",
+                    stored,
+                    own,
+                )
+        return config.replace(checkpoint_dir=str(own))
 
     def exists(self) -> bool:
         """Whether a run was started here (its config is written)."""

@@ -2,10 +2,11 @@
 
 Keys: ``status`` ("finished" or "stopped by SIGINT"...), ``steps``, ``final_val_loss``,
 ``unigram_baseline`` (nats/token of byte frequencies alone), ``tokens_trained``,
-``tokens_per_s`` (training tokens over the summed step times), ``wall_time_s`` (this launch,
-start of the ranks to the end), ``memory`` (per rank: measured peak bytes by category next to
-``shardwise.estimate``'s model-state estimate for the run's stage, precision and world size,
-plus the estimated activation bytes).
+``tokens_per_s`` (training tokens over the summed step times), ``wall_time_s`` (the whole run:
+every launch of a resumed run, each from the start of its ranks to its end or last record),
+``memory`` (per rank: measured peak bytes by category next to ``shardwise.estimate``'s
+model-state estimate for the run's stage, precision and world size, plus the estimated
+activation bytes).
 """
 
 from __future__ import annotations
@@ -88,6 +89,12 @@ def build_summary(
         "world_size": run.world_size,
         "memory": {"estimated_per_rank": memory_estimate(run), "measured_peak_per_rank": measured},
     }
+
+
+def discard_summary(path: Path) -> None:
+    """Remove the summary of an earlier launch when a resumed run starts: if this launch
+    crashes, no summary claims the run ended (a summary is only the run that actually ended)."""
+    path.unlink(missing_ok=True)
 
 
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
