@@ -25,7 +25,11 @@ from shardwise.train.options import RunConfig, TrainOptions
         ({"async_save": 1}, TypeError, "async_save must be true or false"),
         ({"gradient_clipping": float("inf")}, TypeError, "gradient_clipping must be a finite"),
         ({"min_loss_scale": 2.0**20}, ValueError, r"at most the initial loss scale 2\*\*16"),
-        ({"micro_batch_size": 10**12}, ValueError, r"micro_batch_size must be an int <= 2147483647"),
+        (
+            {"micro_batch_size": 10**12},
+            ValueError,
+            r"micro_batch_size must be an int <= 2147483647",
+        ),
         ({"reduce_bucket_bytes": 1.5}, TypeError, "reduce_bucket_bytes must be an int"),
         ({"activation_checkpointing": ["Block", 3]}, TypeError, "a list of module class names"),
         ({"extra": [1]}, TypeError, "extra must be a mapping with string keys"),
