@@ -6,14 +6,9 @@
 ``Engine.save`` / ``load`` / ``resume`` / ``maybe_save`` / ``wait_for_checkpoint`` /
 ``load_full_state`` are :class:`EngineCheckpoints`' methods. A checkpoint holds the logical
 tensors of ``zero.checkpoint_entries`` (fp32 masters ``model/``, element-wise optimizer states
-``optim/``, buffers ``buffer/``), each rank writing only its own boxes, plus two small records:
-
-- the trainer state (JSON, in the manifest): global and micro step, resolved config, world size,
-  dp size, ZeRO stage, precision, loss scaler, learning-rate scheduler, optimizer class and
-  hyperparameters per group, scalar optimizer states per parameter (Adam's ``step``), data
-  sampler position, tied-parameter aliases, the caller's ``extra`` and format notes;
-- one rank state per rank (tensors and JSON, never a pickle): python, numpy, torch CPU and CUDA
-  RNG states.
+``optim/``, buffers ``buffer/``), each rank writing only its own boxes, plus the trainer state
+(JSON, in the manifest: steps, config, scheduler, optimizer settings, sampler position...) and
+one rank state per rank (RNG states as tensors and JSON, never a pickle).
 
 Loading reads, on each rank, exactly the ranges its master and optimizer pieces cover now, so the
 world size, ZeRO stage and precision may all differ from the run that saved. RNG states are
@@ -38,14 +33,12 @@ from shardwise.checkpoint.integrity import (
     check_file,
     check_manifest_sha256,
     committed_manifest_sha256,
-    find_latest_valid,
     read_manifest,
-    rebuild_journal,
 )
-from shardwise.checkpoint.journal import Journal, resolve
-from shardwise.checkpoint.layout import CheckpointError, parse_step_dir, step_dir_name
+from shardwise.checkpoint.journal import resolve
+from shardwise.checkpoint.layout import CheckpointError, step_dir_name
 from shardwise.checkpoint.reader import CheckpointReader
-from shardwise.checkpoint.retention import set_aside
+from shardwise.checkpoint.retention import prepare_resume
 from shardwise.checkpoint.writer import save_checkpoint
 from shardwise.engine_run_state import (
     ENGINE_FORMAT,
@@ -277,58 +270,25 @@ def load_engine(
     return state
 
 
-def _lost_journal(root: Path) -> bool:
-    """A root with step directories but no journal (deleted or lost)."""
-    return (
-        root.is_dir()
-        and not Journal(root).exists()
-        and any(parse_step_dir(p) is not None for p in root.iterdir())
-    )
-
-
-def _retire_damaged(root: Path, found: Path | None, skipped: list[tuple[Path, str]]) -> None:
-    """Set aside every skipped step newer than ``found`` (so that training can save it again),
-    except an interrupted save the next save removes anyway."""
-    state = Journal(root).read()
-    newest = -1 if found is None else parse_step_dir(found)
-    for path, why in skipped:
-        step = parse_step_dir(path)
-        assert step is not None and newest is not None
-        interrupted = step in state.pending and state.damaged_for(step) is None
-        if step > newest and not interrupted and path.is_dir():
-            set_aside(root, step, f"it does not verify: {why}")
-
-
-def _find_resume_point(root: Path) -> tuple[str | None, list[tuple[str, str]]]:
-    """Rank 0: rebuild a lost journal, find the newest valid step, set aside newer damaged
-    ones. Returns (path or None, [(skipped path, reason)])."""
-    if _lost_journal(root):
-        log.warning(
-            "rank 0: %s has step directories but no journal: rebuilding it from their "
-            "manifests (only steps whose files all verify)",
-            root,
-        )
-        rebuild_journal(root)
-    newest, passed_over = find_latest_valid(root)
-    _retire_damaged(root, newest, passed_over)
-    return None if newest is None else str(newest), [(str(p), why) for p, why in passed_over]
-
-
 def resume_engine(
     engine: CheckpointableEngine, root: Path | str, *, sampler: Stateful | None = None
 ) -> dict[str, Any] | None:
     """Load the newest checkpoint under ``root`` that verifies; None when there is none.
 
-    Rank 0 searches and verifies; the others follow its choice. A lost ``journal.log`` is
-    rebuilt from the step directories' manifests first. Damaged or uncommitted newer
-    checkpoints are skipped with a warning naming each one and why, and set aside as
-    ``damaged-step-N`` (kept for inspection) so that training saves those steps again.
+    Rank 0 searches and verifies (``checkpoint.retention.prepare_resume``: a lost journal is
+    rebuilt from the manifests; damaged or uncommitted newer checkpoints are skipped with a
+    warning naming each one and why, and set aside as ``damaged-step-N`` so that training saves
+    those steps again); the others follow its choice.
     Communicates: one broadcast_object, then ``load_engine``'s collectives.
     """
     outcome: tuple[str | None, list[tuple[str, str]]] | str | None = None
     if engine.group.rank == 0:
         try:
-            outcome = _find_resume_point(Path(root))
+            found, passed_over = prepare_resume(root)
+            outcome = (
+                None if found is None else str(found),
+                [(str(p), why) for p, why in passed_over],
+            )
         except Exception as exc:  # raised on every rank below
             outcome = f"{type(exc).__name__}: {exc}"
     outcome = comm.broadcast_object(outcome, src=engine.group.ranks[0], group=engine.group)

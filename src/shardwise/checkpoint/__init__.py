@@ -2,7 +2,8 @@
 
 Writing: :func:`save_checkpoint` (blocking) or :class:`AsyncCheckpointWriter` (background).
 Reading: :func:`resolve`, :func:`verify`, :class:`CheckpointReader`, :func:`find_latest_valid`.
-Retiring: :func:`delete_checkpoint`, :func:`set_aside`; a lost journal: :func:`rebuild_journal`.
+Retiring: :func:`delete_checkpoint`, :func:`set_aside`; a lost journal: :func:`rebuild_journal`;
+before resuming: :func:`prepare_resume`.
 Offline: :func:`inspect`, :func:`verify_cli`, :func:`export_consolidated`.
 
 Modules: ``layout`` (names on disk), ``entries`` (boxes and their geometry), ``files`` (durable
@@ -24,7 +25,7 @@ from shardwise.checkpoint.journal import resolve
 from shardwise.checkpoint.layout import FORMAT_VERSION, CheckpointError
 from shardwise.checkpoint.manifest import Manifest, Piece, TensorRecord
 from shardwise.checkpoint.reader import CheckpointReader
-from shardwise.checkpoint.retention import delete_checkpoint, set_aside
+from shardwise.checkpoint.retention import delete_checkpoint, prepare_resume, set_aside
 from shardwise.checkpoint.tools import export_consolidated, inspect, verify_cli
 from shardwise.checkpoint.writer import save_checkpoint
 
@@ -44,6 +45,7 @@ __all__ = [
     "find_latest_valid",
     "flat_range_boxes",
     "inspect",
+    "prepare_resume",
     "rebuild_journal",
     "resolve",
     "save_checkpoint",

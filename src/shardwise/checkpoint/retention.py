@@ -1,4 +1,5 @@
-"""Retiring steps: interrupted saves and retention remove them, damaged ones are set aside.
+"""Retiring steps: interrupted saves and retention remove them, damaged ones are set aside;
+:func:`prepare_resume` readies a root for resuming (rebuilt journal, damaged steps aside).
 
 Only the committing rank runs these, and only one writer may use a checkpoint root at a time.
 Every retirement of a committed step writes the journal's ``delete`` record first: from then on
@@ -14,6 +15,7 @@ import shutil
 from pathlib import Path
 
 from shardwise.checkpoint.files import fsync_dir
+from shardwise.checkpoint.integrity import find_latest_valid, rebuild_journal
 from shardwise.checkpoint.journal import Journal
 from shardwise.checkpoint.layout import (
     parse_step_dir,
@@ -139,3 +141,36 @@ def apply_retention(root: Path | str, keep_last: int) -> list[int]:
     for step in doomed:
         delete_checkpoint(root, step)
     return doomed
+
+
+def prepare_resume(root: Path | str) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """Get ``root`` ready for a resume; run by one process (the committing rank).
+
+    A root with step directories but no ``journal.log`` gets its journal rebuilt from their
+    manifests (:func:`~shardwise.checkpoint.integrity.rebuild_journal`). Then the newest step
+    that verifies is found (:func:`~shardwise.checkpoint.integrity.find_latest_valid`), and
+    every newer step that does not verify is set aside (:func:`set_aside`), so that training
+    saves those steps again; an interrupted save is left to the next save, which removes it.
+
+    Returns:
+        ``(the step directory to resume from or None, [(skipped path, reason), ...])``.
+    """
+    root = Path(root)
+    steps = [parse_step_dir(p) for p in root.iterdir()] if root.is_dir() else []
+    if not Journal(root).exists() and any(s is not None for s in steps):
+        log.warning(
+            "%s has step directories but no journal: rebuilding it from their manifests "
+            "(only steps whose files all verify)",
+            root,
+        )
+        rebuild_journal(root)
+    found, skipped = find_latest_valid(root)
+    state = Journal(root).read()
+    newest = -1 if found is None else parse_step_dir(found)
+    for path, why in skipped:
+        step = parse_step_dir(path)
+        assert step is not None and newest is not None
+        interrupted = step in state.pending and state.damaged_for(step) is None
+        if step > newest and not interrupted and path.is_dir():
+            set_aside(root, step, f"it does not verify: {why}")
+    return found, skipped
