@@ -203,13 +203,15 @@ class Trainer:
             val_loss = None
             if self.step == self.opts.steps or (every and self.step % every == 0):
                 val_loss = self.last_val = self.evaluate()
-            if ckpt_every and self.step % ckpt_every == 0 and not signals:
-                self._save_checkpoint()
-            comm.comm_stats(reset=True)  # bookkeeping, evaluation and saving are not the step's
             if writer is not None and progress is not None:
+                # the record first: a committed checkpoint's step always has its record, so a
+                # resume cutting the metrics at that step loses none
                 record = self._record(parts, val_loss)
                 writer.write(record)
                 progress.update(record)
+            if ckpt_every and self.step % ckpt_every == 0 and not signals:
+                self._save_checkpoint()
+            comm.comm_stats(reset=True)  # bookkeeping, evaluation and saving are not the step's
             if signals:
                 stop.stop_with(signals[0])
                 return

@@ -60,6 +60,13 @@ class MetricsWriter:
                 last = records[-1]
                 self.prior_wall_s = float(last.get("wall_s", last.get("elapsed_s")) or 0.0)
             kept = [r for r in records if r.get("step", 0) <= resume_step]
+            if (kept[-1].get("step", 0) if kept else 0) < resume_step:
+                log.warning(
+                    "%s ends before step %d, where the run resumes: the steps in between "
+                    "have no record",
+                    path,
+                    resume_step,
+                )
             if len(kept) < len(records):
                 log.warning(
                     "%s: dropping %d records after step %d (trained again from that step)",
