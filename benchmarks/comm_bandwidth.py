@@ -50,7 +50,7 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter")
 @dataclass(frozen=True)
 class Variant:
     op: str
-    system: str  # "shardwise", "shardwise-inplace", "raw" or "p2p" (reference exchange)
+    system: str  # "shardwise", "raw" or "p2p" (reference exchange)
     label: str  # how the call reads in the table
 
 
@@ -61,7 +61,6 @@ VARIANTS = (
     Variant("all_gather", "raw", f"dist.{_raw_all_gather.__name__}"),
     Variant("all_gather", "p2p", "dist.isend/irecv halves (2 ranks)"),
     Variant("reduce_scatter", "shardwise", "shardwise.reduce_scatter"),
-    Variant("reduce_scatter", "shardwise-inplace", "shardwise.reduce_scatter(inplace_ok)"),
     Variant("reduce_scatter", "raw", f"dist.{_raw_reduce_scatter.__name__}"),
     Variant("reduce_scatter", "p2p", "dist.isend/irecv halves + add (2 ranks)"),
 )
@@ -116,9 +115,6 @@ def _callables(op: str, numel: int) -> dict[str, Callable[[], None]]:
 
     return {
         "shardwise": lambda: shardwise.reduce_scatter(full_in, op="sum", out=out),
-        "shardwise-inplace": lambda: shardwise.reduce_scatter(
-            full_in, op="sum", out=out, inplace_ok=True
-        ),
         "raw": lambda: _raw_reduce_scatter(out, full_in),
         "p2p": exchange,
     }

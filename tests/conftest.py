@@ -14,9 +14,7 @@ def _rank_pools():
 def world_of_one():
     """shardwise initialized in this process as a world of one (gloo), torn down after."""
     import shardwise
-    from shardwise.comm.groups import reset_world
 
     shardwise.init(backend="gloo")
     yield
-    shardwise.shutdown()
-    reset_world()
+    shardwise.shutdown()  # the next init forms a fresh world, with fresh groups

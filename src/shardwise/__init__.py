@@ -5,6 +5,7 @@ from shardwise.comm import (
     CollectiveTimeoutError,
     DesyncError,
     Group,
+    World,
     all_gather,
     all_gather_list,
     all_reduce,
@@ -17,9 +18,7 @@ from shardwise.comm import (
     send,
     split,
 )
-from shardwise.config import Config
-from shardwise.dist import (
-    DistInitError,
+from shardwise.comm.current_world import (
     barrier,
     device,
     init,
@@ -28,9 +27,12 @@ from shardwise.dist import (
     shutdown,
     world_size,
 )
+from shardwise.config import Config
+from shardwise.dist import DistInitError
 from shardwise.engine import Engine, initialize
 from shardwise.mesh import Mesh
 from shardwise.recompute import checkpoint, checkpoint_sequential
+from shardwise.seeding import seed_all
 from shardwise.zero.wrap import ZeroOptimizer, zero_wrap
 
 __version__ = "0.1.0"
@@ -44,6 +46,7 @@ __all__ = [
     "Engine",
     "Group",
     "Mesh",
+    "World",
     "ZeroOptimizer",
     "__version__",
     "all_gather",
@@ -63,6 +66,7 @@ __all__ = [
     "rank",
     "recv",
     "reduce_scatter",
+    "seed_all",
     "send",
     "shutdown",
     "split",

@@ -1,7 +1,8 @@
-"""The distributed context: who am I, how many are we, and the process group that joins us.
+"""The process's place in a launch: who am I, how many are we, and torch's default process
+group that joins us. Holds no state of its own (a world's state is a value: ``comm.World``).
 
-`init` reads the environment that torchrun, mpirun (Open MPI / PMI) or SLURM set. With none of
-them the process is a world of one and the process group lives in memory (no network).
+`form_process_group` reads the environment that torchrun, mpirun (Open MPI / PMI) or SLURM set.
+With none of them the process is a world of one and the process group lives in memory.
 """
 
 from __future__ import annotations
@@ -96,17 +97,6 @@ def read_launch_env(env: dict[str, str] | None = None) -> LaunchEnv:
     return LaunchEnv(rank, world, local if local is not None else 0, addr, port, source)
 
 
-@dataclass
-class _Context:
-    env: LaunchEnv
-    backend: str
-    timeout_s: float
-    owns_group: bool
-
-
-_ctx: _Context | None = None
-
-
 def resolve_backend(backend: str) -> str:
     """Map ``auto`` to nccl (CUDA present) or gloo, and check the backend is built in."""
     if backend not in BACKENDS:
@@ -128,24 +118,30 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S) -> None:
-    """Join (or form) the world's process group. Calling it again is harmless.
+@dataclass(frozen=True)
+class Joined:
+    """The outcome of joining torch's default process group."""
+
+    env: LaunchEnv
+    backend: str
+    owns_group: bool  # True: formed here, so leaving it is ours to do
+
+
+def form_process_group(backend: str, timeout_s: float) -> Joined:
+    """Form torch's default process group from the launcher's environment, or adopt the one
+    someone (a test harness, the user) formed already.
 
     Args:
         backend: "auto" (nccl with CUDA, else gloo), "gloo", "nccl" or "mpi".
-        timeout: seconds any rank waits for the others, at rendezvous and in every collective.
+        timeout_s: seconds any rank waits for the others at the rendezvous.
     """
-    global _ctx
-    if timeout <= 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-    if _ctx is not None:
-        return
+    if timeout_s <= 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout_s}")
     backend = resolve_backend(backend)
+    if dist.is_initialized():
+        return adopt_process_group()
     env = read_launch_env()
-    if dist.is_initialized():  # someone (a test harness, the user) formed it already
-        _ctx = _Context(env, dist.get_backend(), timeout, owns_group=False)
-        return
-    td = datetime.timedelta(seconds=timeout)
+    td = datetime.timedelta(seconds=timeout_s)
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     try:
@@ -164,18 +160,17 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S) -> None:
     except (RuntimeError, dist.DistError) as exc:
         raise DistInitError(
             f"rank {env.rank} could not form the {backend} process group of {env.world_size} "
-            f"ranks at {env.master_addr}:{env.master_port} within the timeout of {timeout:g} s "
+            f"ranks at {env.master_addr}:{env.master_port} within the timeout of {timeout_s:g} s "
             f"(waited for all {env.world_size} ranks to join the rendezvous): {exc}"
         ) from exc
-    _ctx = _Context(env, backend, timeout, owns_group=True)
     log.debug("rank %d/%d joined (%s, %s)", env.rank, env.world_size, backend, env.source)
+    return Joined(env, backend, owns_group=True)
 
 
-def attach(timeout: float = DEFAULT_TIMEOUT_S) -> None:
-    """Adopt a process group formed elsewhere (e.g. by the test harness)."""
-    global _ctx
+def adopt_process_group() -> Joined:
+    """Describe torch's default process group, formed elsewhere (e.g. by the test harness)."""
     if not dist.is_initialized():
-        raise RuntimeError("attach() needs an initialized torch.distributed process group")
+        raise RuntimeError("needs an initialized torch.distributed process group")
     env = LaunchEnv(
         dist.get_rank(),
         dist.get_world_size(),
@@ -184,79 +179,40 @@ def attach(timeout: float = DEFAULT_TIMEOUT_S) -> None:
         0,
         "external",
     )
-    _ctx = _Context(env, dist.get_backend(), timeout, owns_group=False)
-
-
-def is_initialized() -> bool:
-    return _ctx is not None or dist.is_initialized()
-
-
-def _require() -> _Context:
-    if _ctx is None:
-        if dist.is_initialized():
-            attach()
-        else:
-            init()
-    assert _ctx is not None
-    return _ctx
-
-
-def rank() -> int:
-    """This process's rank in the world."""
-    return dist.get_rank() if dist.is_initialized() else _require().env.rank
-
-
-def world_size() -> int:
-    """Number of ranks in the world."""
-    return dist.get_world_size() if dist.is_initialized() else _require().env.world_size
-
-
-def local_rank() -> int:
-    """This process's rank on its node."""
-    return _require().env.local_rank
-
-
-def backend() -> str:
-    return _require().backend
-
-
-def timeout_s() -> float:
-    """Seconds a collective may wait before it is declared hung."""
-    return _require().timeout_s if (_ctx or dist.is_initialized()) else DEFAULT_TIMEOUT_S
-
-
-def device() -> torch.device:
-    """``cuda:local_rank`` on the nccl backend, else ``cpu``."""
-    ctx = _require()
-    if ctx.backend == "nccl":
-        return torch.device("cuda", ctx.env.local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-def barrier() -> None:
-    """Wait until every rank of the world arrives (bounded by the init timeout)."""
-    from shardwise.comm import ops
-
-    ops.barrier()
-
-
-def shutdown() -> None:
-    """Leave the process group (only if shardwise formed it)."""
-    global _ctx
-    if _ctx is not None and _ctx.owns_group and dist.is_initialized():
-        # Leave together: a gloo rank that tears down its pairs while a peer is still sending
-        # can abort that peer.
-        if dist.get_world_size() > 1:
-            barrier()
-        for hook in _BEFORE_LEAVING:
-            hook()  # e.g. background checkpoint saves, whose groups go away next
-        dist.destroy_process_group()
-    _ctx = None
+    return Joined(env, dist.get_backend(), owns_group=False)
 
 
 _BEFORE_LEAVING: list[Callable[[], None]] = []
 
 
 def before_leaving(hook: Callable[[], None]) -> None:
-    """Run ``hook`` in ``shutdown``, before the process groups are destroyed."""
+    """Run ``hook`` when shardwise leaves the process group, before the groups are destroyed
+    (e.g. to finish background checkpoint saves, whose groups go away next)."""
     _BEFORE_LEAVING.append(hook)
+
+
+def leave_process_group() -> None:
+    """Run the ``before_leaving`` hooks, then destroy torch's default process group (callers
+    first make sure every rank is done)."""
+    for hook in _BEFORE_LEAVING:
+        hook()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank() -> int:
+    """This process's rank in torch's default process group, or the launcher's before one is
+    formed."""
+    return dist.get_rank() if dist.is_initialized() else read_launch_env().rank
+
+
+def world_size() -> int:
+    """The size of torch's default process group, or the launcher's before one is formed."""
+    return dist.get_world_size() if dist.is_initialized() else read_launch_env().world_size
+
+
+def device_of(backend: str, local_rank: int) -> torch.device:
+    """``cuda:local_rank`` on the nccl backend, else ``cpu``."""
+    if backend == "nccl":
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")

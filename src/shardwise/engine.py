@@ -10,17 +10,15 @@ engine.step()
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from shardwise import comm, param_access
+from shardwise import param_access
 from shardwise.comm.groups import Group
 from shardwise.config import Config
 from shardwise.engine_build import (
@@ -71,17 +69,17 @@ class Engine:
         self.device = check_model(model)
         self.mesh = group if isinstance(group, Mesh) else None
         self.group = resolve_group(group)
+        if config.debug_collectives:  # this engine's collectives only; nothing process-wide
+            self.group = self.group.with_debug(True)
         self.stage = ZeroStage.of(config.zero_stage)
         param_access.check_unclaimed(model)
         if isinstance(optimizer, torch.optim.Optimizer):  # before the model is rebuilt
             zero_opt.check_shardable(type(optimizer), config.allow_untested_optimizer)
-        comm.set_debug(True if config.debug_collectives else None)
         policy = resolve_precision(config.precision, config.reduce_dtype, self.device)
         self.precision = policy
         self.dtypes = Dtypes(policy.compute_dtype, policy.reduce_dtype, policy.master_dtype)
         self.host = torch.device("cpu") if config.offload_optimizer else self.device
         self.module = model
-        self._seed(config.seed)
         check_same_structure(model, self.group, self.device)
         broadcast_buffers(model, self.group.ranks[0], self.group)
         self.flats, self._schedule = build_flats(
@@ -115,12 +113,6 @@ class Engine:
         self.skipped_steps = 0
 
     # ---- construction ----
-
-    @staticmethod
-    def _seed(seed: int) -> None:
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        torch.manual_seed(seed)
 
     def _norm_reduction(self, model: nn.Module) -> NormReduction:
         """Every pipeline stage holds its own layers: with a mesh, the norm also sums over pp."""
@@ -375,10 +367,6 @@ def initialize(
     Communicates: one all_gather of 8 bytes per rank (the structure check), broadcasts of every
     parameter and buffer from the group's first rank.
     """
-    from shardwise import dist as sw_dist
-
-    if not sw_dist.is_initialized():
-        sw_dist.init()
     if config is None:
         config = Config()
     elif isinstance(config, dict):

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
+from shardwise.comm import objects, ops
 from shardwise.comm.groups import Group
 from shardwise.config import Config
 from shardwise.mesh import Mesh
@@ -62,9 +63,9 @@ def check_same_structure(model: nn.Module, group: Group, device: torch.device) -
     mine = _describe(model)
     digest = hashlib.sha256("\n".join(mine).encode()).digest()[:8]
     value = torch.tensor([int.from_bytes(digest, "little", signed=True)], device=device)
-    if len({int(v) for v in comm.all_gather_list(value, group=group)}) == 1:
+    if len({int(v) for v in ops.all_gather_list(value, group=group)}) == 1:
         return
-    every = comm.all_gather_object(mine, group=group)
+    every = objects.all_gather_object(mine, group=group)
     first = every[0]
     for r, other in enumerate(every):
         for i in range(max(len(first), len(other))):
@@ -85,7 +86,7 @@ def broadcast_buffers(model: nn.Module, src: int, group: Group) -> None:
         if b.numel() == 0:
             continue
         staged = b.data if b.is_contiguous() else b.data.contiguous()
-        comm.broadcast(staged, src=src, group=group)
+        ops.broadcast(staged, src=src, group=group)
         if staged is not b.data:  # a non-contiguous buffer went through a copy: write it back
             with torch.no_grad():
                 b.data.copy_(staged)
@@ -111,7 +112,7 @@ def build_flats(
         ]
         for p in model.parameters():  # frozen: replicated, never updated: rank 0's, once
             if not p.requires_grad:
-                comm.broadcast(p.data, src=src, group=group)
+                ops.broadcast(p.data, src=src, group=group)
     else:
         specs = units(model, tuple(config.wrap_policy) if config.wrap_policy else None)
         by_name: dict[str, list[FlatParam]] = {}

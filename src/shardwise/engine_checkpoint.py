@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from shardwise import comm
 from shardwise import dist as sw_dist
 from shardwise.checkpoint.async_writer import AsyncCheckpointWriter
 from shardwise.checkpoint.integrity import (
@@ -40,6 +39,7 @@ from shardwise.checkpoint.layout import CheckpointError, step_dir_name
 from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.checkpoint.retention import prepare_resume
 from shardwise.checkpoint.writer import save_checkpoint
+from shardwise.comm import objects
 from shardwise.engine_run_state import (
     ENGINE_FORMAT,
     READABLE_ENGINE_VERSIONS,
@@ -93,7 +93,7 @@ def _gather_scalars(engine: CheckpointableEngine, local: ScalarStates) -> Scalar
     """Every rank's scalar optimizer states, merged; pieces of one parameter must agree.
     Communicates: one all_gather_object over the engine's group."""
     merged: ScalarStates = {}
-    for rank, states in enumerate(comm.all_gather_object(local, group=engine.group)):
+    for rank, states in enumerate(objects.all_gather_object(local, group=engine.group)):
         for name, values in states.items():
             if merged.setdefault(name, values) != values:
                 raise ValueError(
@@ -178,7 +178,7 @@ def _verify_together(step_dir: Path, engine: CheckpointableEngine) -> None:
             check_file(step_dir, name, record.size, record.sha256)
     except CheckpointError as exc:
         problem = (exc.problem, None if exc.path is None else str(exc.path))
-    found = [p for p in comm.all_gather_object(problem, group=engine.group) if p is not None]
+    found = [p for p in objects.all_gather_object(problem, group=engine.group) if p is not None]
     if found:
         raise CheckpointError(*found[0])
 
@@ -291,7 +291,7 @@ def resume_engine(
             )
         except Exception as exc:  # raised on every rank below
             outcome = f"{type(exc).__name__}: {exc}"
-    outcome = comm.broadcast_object(outcome, src=engine.group.ranks[0], group=engine.group)
+    outcome = objects.broadcast_object(outcome, src=engine.group.ranks[0], group=engine.group)
     if isinstance(outcome, str) or outcome is None:
         raise CheckpointError(f"searching for a checkpoint to resume from failed: {outcome}", root)
     found, skipped = outcome

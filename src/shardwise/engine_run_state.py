@@ -27,6 +27,7 @@ from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.comm.groups import Group
 from shardwise.config import Config
 from shardwise.precision import DynamicLossScaler
+from shardwise.seeding import seed_all
 from shardwise.zero.checkpoint_entries import ModelNames, ScalarStates
 from shardwise.zero.flat_param import FlatParam
 from shardwise.zero.stage import ZeroStage
@@ -256,9 +257,7 @@ def restore_rng(engine: CheckpointableEngine, reader: CheckpointReader) -> None:
             torch.cuda.set_rng_state_all(rs["cuda"])
         return
     seed = engine.config.seed + engine.global_step
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    seed_all(seed)
     why = (
         f"checkpoint written by {reader.world_size} ranks, now {engine.group.size}"
         if version >= 2

@@ -9,22 +9,38 @@ from __future__ import annotations
 
 import itertools
 
-from shardwise import dist as sw_dist
-from shardwise.comm.groups import Group, new_group
+from shardwise.comm.current_world import current
+from shardwise.comm.groups import Group, World
+from shardwise.comm.stats import CommStats
 
 AXES = ("pp", "dp", "tp")
 
 
 class Mesh:
-    """Named dimensions over the world; every group along any axis combination.
+    """Named dimensions over a world; it owns every group along any axis combination, and the
+    counters (``stats``) that its groups' collectives record into (and into the world's).
 
     All ranks construct it together (it forms the process groups collectively).
+
+    Args:
+        dp, tp, pp: the size of each axis; one of them may be -1 (fill the world).
+        world: the world it spans (default: the current world, ``shardwise.init()``).
+        world_size: the number of ranks the sizes must multiply to (default: the world's).
     """
 
     def __init__(
-        self, *, dp: int = -1, tp: int = 1, pp: int = 1, world_size: int | None = None
+        self,
+        *,
+        dp: int = -1,
+        tp: int = 1,
+        pp: int = 1,
+        world: World | None = None,
+        world_size: int | None = None,
     ) -> None:
-        n = sw_dist.world_size() if world_size is None else world_size
+        if world is None and world_size is None:
+            world = current()
+        n = world.world_size if world is not None else world_size
+        assert n is not None
         sizes = {"pp": pp, "dp": dp, "tp": tp}
         for axis, size in sizes.items():
             if not isinstance(size, int) or isinstance(size, bool):
@@ -54,15 +70,19 @@ class Mesh:
         self.sizes = sizes
         self.world_size = n
         self._groups: dict[tuple[str, ...], Group] = {}
-        me = sw_dist.rank()
-        self.coords = self.coords_of(me)
+        world = current() if world is None else world
+        if world.world_size != n:
+            raise ValueError(f"world_size={n} does not match the world's {world.world_size} ranks")
+        self.world = world
+        self.stats = CommStats(parent=world.stats)
+        self.coords = self.coords_of(world.rank)
         # Form every axis combination's groups now: torch forms groups collectively, and doing it
         # here (all ranks, same order) keeps later lookups free of collective calls.
         for k in range(1, 4):
             for axes in itertools.combinations(AXES, k):
                 for ranks in self._partition(axes):
-                    g = new_group(ranks, name="+".join(axes))
-                    if me in ranks:
+                    g = world.new_group(ranks, name="+".join(axes), stats=self.stats)
+                    if world.rank in ranks:
                         self._groups[axes] = g
 
     @property

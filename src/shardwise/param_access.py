@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardwise import comm
+from shardwise.comm import ops
 from shardwise.zero.flat_param import FlatParam, ParamState
 from shardwise.zero.partition import ParamSlot
 
@@ -124,7 +124,7 @@ def gathered_parameters(
 
 def _write_back(chosen: list[FlatParam], before: list[torch.Tensor], src: int) -> None:
     for f, old in zip(chosen, before):
-        comm.broadcast(f.full, src=src, group=f.group)
+        ops.broadcast(f.full, src=src, group=f.group)
         for slot in f.slots:
             new = f.full[slot.offset : slot.end]
             if not torch.equal(new, old[slot.offset : slot.end]):

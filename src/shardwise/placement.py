@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardwise import comm
+from shardwise.comm import ops
 from shardwise.comm.groups import Group
 
 
@@ -163,7 +163,7 @@ class NormReduction:
         """Sum ``sumsq`` (one fp32 value) over every group in turn. Communicates: one
         all_reduce of 4 bytes per group."""
         for g in self.groups:
-            comm.all_reduce(sumsq, op="sum", group=g)
+            ops.all_reduce(sumsq, op="sum", group=g)
 
 
 def _check_orthogonal(group: Group, dp: Group) -> None:

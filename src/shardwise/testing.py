@@ -32,20 +32,14 @@ class RankTimeout(AssertionError):
     """A task did not finish on every rank in time."""
 
 
-def _reset_rank_state(seed: int) -> None:
-    import random
+def _reset_rank_state(seed: int, pg_timeout_s: float) -> None:
+    """A fresh current world (new counters and trace, debug following the environment) over the
+    same process group, and every RNG seeded."""
+    from shardwise.comm import current_world
+    from shardwise.seeding import seed_all
 
-    import numpy as np
-    import torch
-
-    from shardwise.comm import STATS, set_debug, trace
-
-    STATS.reset()
-    trace.reset()
-    set_debug(None)
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+    current_world.attach(timeout=pg_timeout_s)
+    seed_all(seed)
 
 
 def _worker(
@@ -73,9 +67,9 @@ def _worker(
         world_size=world_size,
         timeout=datetime.timedelta(seconds=pg_timeout_s),
     )
-    from shardwise import dist as sw_dist
+    from shardwise.comm import current_world
 
-    sw_dist.attach(timeout=pg_timeout_s)
+    current_world.attach(timeout=pg_timeout_s)
     results.put((rank, "ready", None))
     while True:
         task = tasks.get()
@@ -83,7 +77,7 @@ def _worker(
             break
         fn, args, kwargs, seed = task
         try:
-            _reset_rank_state(seed)
+            _reset_rank_state(seed, pg_timeout_s)
             value = fn(*args, **kwargs)
             results.put((rank, "ok", value))
         except BaseException:
@@ -214,10 +208,10 @@ def run_on_ranks(
             return pool.run(fn, *args, timeout_s=timeout_s, **kwargs)
         finally:
             pool.close()
-    pool = _pools.get(world_size)
-    if pool is None or not pool.alive:
-        pool = _pools[world_size] = RankPool(world_size)
-    return pool.run(fn, *args, timeout_s=timeout_s, **kwargs)
+    kept = _pools.get(world_size)
+    if kept is None or not kept.alive:
+        kept = _pools[world_size] = RankPool(world_size)
+    return kept.run(fn, *args, timeout_s=timeout_s, **kwargs)
 
 
 def close_pools() -> None:

@@ -18,7 +18,6 @@ from shardwise.checkpoint import (
     flat_range_boxes,
     save_checkpoint,
 )
-from shardwise.comm.groups import reset_world
 
 FULL = torch.arange(6 * 10 * 4, dtype=torch.float32).reshape(6, 10, 4)
 
@@ -27,8 +26,7 @@ FULL = torch.arange(6 * 10 * 4, dtype=torch.float32).reshape(6, 10, 4)
 def world() -> Iterator[None]:
     shardwise.init(backend="gloo")
     yield
-    shardwise.shutdown()
-    reset_world()
+    shardwise.shutdown()  # the next init forms a fresh world, with fresh groups
 
 
 @pytest.mark.parametrize("shape", [(), (7,), (3, 4), (2, 3, 5), (4, 1, 3, 2), (0, 3)])

@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load_file
 
 import shardwise
-from shardwise.comm.groups import reset_world
 from shardwise.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=2, d_model=16)
@@ -49,7 +48,6 @@ def checkpoint(tmp_path_factory):
         state = engine.state_dict()
     finally:
         shardwise.shutdown()
-        reset_world()
     return root, state
 
 

@@ -31,7 +31,6 @@ from shardwise.checkpoint import (
 )
 from shardwise.checkpoint.journal import Journal, encode_record
 from shardwise.checkpoint.layout import JOURNAL_NAME, MANIFEST_NAME, step_dir_name, tmp_dir_name
-from shardwise.comm.groups import reset_world
 
 SHARD = "shard-00000-of-00001.safetensors"
 RANK_FILE = "rank-00000.safetensors"
@@ -41,8 +40,7 @@ RANK_FILE = "rank-00000.safetensors"
 def world() -> Iterator[None]:
     shardwise.init(backend="gloo")
     yield
-    shardwise.shutdown()
-    reset_world()  # the next module's world gets fresh groups
+    shardwise.shutdown()  # the next init forms a fresh world, with fresh groups
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ from shardwise import dist as sw_dist
 from shardwise.checkpoint.entries import ShardEntry, prepare_entries
 from shardwise.checkpoint.rank_state import encode_rank_state
 from shardwise.checkpoint.writer import check_trainer_state, save_snapshot
-from shardwise.comm.ops import GroupLike
+from shardwise.comm import GroupLike
 
 log = logging.getLogger("shardwise.checkpoint")
 
@@ -44,7 +44,7 @@ class AsyncCheckpointWriter:
             group ranks.
 
     Construction is collective: it forms the writer's own process group over the ranks of
-    ``group`` (``comm.new_group``), so each of them must construct it at the same point.
+    ``group`` (``World.new_group``), so each of them must construct it at the same point.
     """
 
     def __init__(
@@ -63,9 +63,8 @@ class AsyncCheckpointWriter:
         self.root = Path(root)
         self.keep_last = keep_last
         self.verify_writes = verify_writes
-        self.group = comm.new_group(
-            list(comm.resolve(group).ranks), timeout_s=timeout, dedicated=True
-        )
+        base = comm.resolve(group)
+        self.group = base.world.new_group(list(base.ranks), timeout_s=timeout, dedicated=True)
         self._rank = self.group.ranks[self.group.rank]
         self.last_committed: Path | None = None
         self._thread: threading.Thread | None = None

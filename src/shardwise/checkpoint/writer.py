@@ -56,7 +56,7 @@ from shardwise.checkpoint.layout import (
 from shardwise.checkpoint.manifest import FileRecord, PieceMeta, RankMeta, build_manifest
 from shardwise.checkpoint.rank_state import encode_rank_state
 from shardwise.checkpoint.retention import apply_retention, clean_leftovers
-from shardwise.comm.ops import GroupLike
+from shardwise.comm import GroupLike, objects
 
 log = logging.getLogger("shardwise.checkpoint")
 
@@ -229,7 +229,7 @@ def save_snapshot(
     root, me = Path(root), g.rank
     tmp = root / tmp_dir_name(step)
     failure = _begin(root, step, trainer_state) if me == 0 else None
-    failure = comm.broadcast_object(failure, src=g.ranks[0], group=g)
+    failure = objects.broadcast_object(failure, src=g.ranks[0], group=g)
     if failure is not None:
         raise failure.exception()
     maybe_crash("before_files", me)
@@ -242,7 +242,7 @@ def save_snapshot(
         maybe_crash("after_files", me)
     except Exception as exc:
         own_error, meta = exc, _Failure.of(me, exc)
-    gathered = comm.all_gather_object(meta, group=g)
+    gathered = objects.all_gather_object(meta, group=g)
     failures = [m for m in gathered if isinstance(m, _Failure)]
     if failures:
         if me == 0:
@@ -251,7 +251,7 @@ def save_snapshot(
             raise own_error
         raise failures[0].exception()
     outcome = _commit(root, step, gathered, trainer_state, keep_last) if me == 0 else None
-    outcome = comm.broadcast_object(outcome, src=g.ranks[0], group=g)
+    outcome = objects.broadcast_object(outcome, src=g.ranks[0], group=g)
     if outcome is not None:
         raise outcome.exception()
     return root / step_dir_name(step)

@@ -1,37 +1,47 @@
-"""shardwise's communication layer: the only code that calls torch.distributed collectives."""
+"""shardwise's communication layer: the only code that calls torch.distributed collectives.
 
-from shardwise.comm.algorithms import ALGORITHMS, all_reduce
-from shardwise.comm.groups import Group, new_group, resolve, split, world
-from shardwise.comm.ops import (
-    Handle,
+The names here are the public facade (``group=None`` means the current world). Library code
+calls ``ops``, ``objects`` and ``mpi_split`` with an explicit group.
+"""
+
+from shardwise.comm.algorithms import ALGORITHMS
+from shardwise.comm.current_world import current, resolve
+from shardwise.comm.facade import (
+    GroupLike,
     all_gather,
     all_gather_list,
     all_gather_object,
+    all_reduce,
     all_reduce_coalesced,
     barrier,
     broadcast,
     broadcast_object,
-    chunk_sizes,
+    comm_stats,
+    exposed_comm_seconds,
+    new_group,
     recv,
     reduce_scatter,
     send,
-)
-from shardwise.comm.stats import STATS, comm_stats, exposed_comm_seconds
-from shardwise.comm.trace import (
-    CollectiveError,
-    CollectiveTimeoutError,
-    DesyncError,
     set_debug,
+    split,
+    world,
 )
+from shardwise.comm.groups import Group, World
+from shardwise.comm.launch import Handle
+from shardwise.comm.ops import chunk_sizes
+from shardwise.comm.stats import CommStats
+from shardwise.comm.trace import CollectiveError, CollectiveTimeoutError, DesyncError
 
 __all__ = [
     "ALGORITHMS",
-    "STATS",
     "CollectiveError",
     "CollectiveTimeoutError",
+    "CommStats",
     "DesyncError",
     "Group",
+    "GroupLike",
     "Handle",
+    "World",
     "all_gather",
     "all_gather_list",
     "all_gather_object",
@@ -42,6 +52,7 @@ __all__ = [
     "broadcast_object",
     "chunk_sizes",
     "comm_stats",
+    "current",
     "exposed_comm_seconds",
     "new_group",
     "recv",

@@ -1,6 +1,7 @@
 """all_reduce by a chosen algorithm, run from the counted point-to-point ops.
 
-``all_reduce(t, op, group, algorithm=...)`` is the public all_reduce: ``"native"`` (the default)
+``all_reduce(t, op, group=..., algorithm=...)`` (``shardwise.comm.all_reduce`` with the group
+optional): ``"native"`` (the default)
 is the backend's own; ``"ring"``, ``"halving_doubling"``, ``"tree"`` and ``"hierarchical"`` run
 the schedules of ``shardwise.comm.schedules`` over ``send``/``recv``; ``"auto"`` picks the one
 with the least predicted time from the measured links (``links=``, e.g.
@@ -14,35 +15,64 @@ one ``all_reduce`` of the tensor's bytes per call, plus the algorithm's messages
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal, overload
 
 import torch
 
 from shardwise.comm import emulate, ops, schedules
-from shardwise.comm.groups import Group, resolve
-from shardwise.comm.ops import GroupLike, Handle
+from shardwise.comm.groups import Group
+from shardwise.comm.launch import Handle, check_group, check_tensor, launch, nbytes
+from shardwise.comm.p2p import combine, finish_avg
 from shardwise.comm.schedules import GroupLinks, Transfer
 
 ALGORITHMS = ("native", *schedules.ALGORITHMS, "auto")
 
-_COMBINE: dict[str, Callable[..., torch.Tensor]] = {
-    "sum": torch.add,
-    "avg": torch.add,
-    "max": torch.maximum,
-    "min": torch.minimum,
-}
 
-
+@overload
+def all_reduce(
+    t: torch.Tensor,
+    op: str = ...,
+    *,
+    group: Group,
+    async_op: Literal[False] = ...,
+    algorithm: str = ...,
+    nodes: Sequence[int] | None = ...,
+    links: GroupLinks | None = ...,
+) -> torch.Tensor: ...
+@overload
+def all_reduce(
+    t: torch.Tensor,
+    op: str = ...,
+    *,
+    group: Group,
+    async_op: Literal[True],
+    algorithm: str = ...,
+    nodes: Sequence[int] | None = ...,
+    links: GroupLinks | None = ...,
+) -> Handle[torch.Tensor]: ...
+@overload
+def all_reduce(
+    t: torch.Tensor,
+    op: str = ...,
+    *,
+    group: Group,
+    async_op: bool,
+    algorithm: str = ...,
+    nodes: Sequence[int] | None = ...,
+    links: GroupLinks | None = ...,
+) -> torch.Tensor | Handle[torch.Tensor]: ...
 def all_reduce(
     t: torch.Tensor,
     op: str = "sum",
-    group: GroupLike = None,
+    *,
+    group: Group,
     async_op: bool = False,
     algorithm: str = "native",
     nodes: Sequence[int] | None = None,
     links: GroupLinks | None = None,
-) -> torch.Tensor | Handle:
-    """Reduce ``t`` in place across the group (``op``: sum, avg, max, min).
+) -> torch.Tensor | Handle[torch.Tensor]:
+    """Reduce ``t`` in place across ``group`` (``op``: sum, avg, max, min).
 
     Args:
         algorithm: ``"native"``, ``"ring"``, ``"halving_doubling"``, ``"tree"``,
@@ -60,11 +90,11 @@ def all_reduce(
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"all_reduce: unknown algorithm {algorithm!r}; allowed: {ALGORITHMS}")
+    g = check_group(group, "all_reduce")
     if algorithm == "native":
-        return ops.all_reduce(t, op=op, group=group, async_op=async_op)
-    g = resolve(group)
+        return ops.all_reduce(t, op, group=g, async_op=async_op)
     ops._reduce_op(op, "all_reduce")
-    ops._check_tensor(t, "t", "all_reduce")
+    check_tensor(t, "t", "all_reduce")
     if op == "avg" and not t.is_floating_point():
         raise TypeError(f"all_reduce: op 'avg' needs a floating dtype, got {t.dtype}")
     layout = _layout(g, nodes, links, algorithm)
@@ -74,20 +104,20 @@ def all_reduce(
                 "all_reduce: algorithm='auto' needs links= (the group's measured links, e.g. "
                 "shardwise.topology.discover(group).links(group))"
             )
-        algorithm = schedules.choose(ops._nbytes(t), t.element_size(), links)
+        algorithm = schedules.choose(nbytes(t), t.element_size(), links)
     flat = t.view(-1)
 
     def issue() -> list[object]:
         run_schedule(flat, g, schedules.schedule(algorithm, flat.numel(), g.size, layout), op)
         return []
 
-    return ops._launch(
+    return launch(
         "all_reduce",
         g,
         [t],
-        ops._nbytes(t),
+        nbytes(t),
         issue,
-        ops._finish_avg(t, op, g.size),
+        lambda: finish_avg(t, op, g.size),
         async_op,
         f"op={op}, algorithm={algorithm}, ",
     )
@@ -110,9 +140,7 @@ def _layout(
         return links.nodes
     if algorithm != "hierarchical":
         return None
-    from shardwise import dist as sw_dist
-
-    world = emulate.env_nodes(sw_dist.world_size())
+    world = emulate.env_nodes(g.world.world_size)
     if world is None:
         raise ValueError(
             "all_reduce: algorithm='hierarchical' needs the nodes: pass nodes= or links=, or set "
@@ -124,7 +152,6 @@ def _layout(
 def run_schedule(flat: torch.Tensor, g: Group, rounds: Sequence[schedules.Round], op: str) -> None:
     """Play this rank's part of ``rounds`` on ``flat`` (a contiguous 1-D tensor)."""
     me = g.rank
-    combine = _COMBINE[op]
     scratch: torch.Tensor | None = None
     for rnd in rounds:
         out = [x for x in rnd if x.src == me]
@@ -132,7 +159,7 @@ def run_schedule(flat: torch.Tensor, g: Group, rounds: Sequence[schedules.Round]
         assert len(out) <= 1 and len(inc) <= 1, "a round sends and receives at most once per rank"
         if not out and not inc:
             continue
-        handles: list[Handle] = []
+        handles: list[Handle[Any]] = []
         target = flat[:0]
         if inc:
             x = inc[0]
@@ -143,20 +170,16 @@ def run_schedule(flat: torch.Tensor, g: Group, rounds: Sequence[schedules.Round]
             else:
                 target = flat[x.lo : x.hi]
                 assert not out or not _overlap(x, out[0]), "a copy may not land on what is sent"
-            h = ops.recv(target, g.ranks[x.src], group=g, async_op=True)
-            assert isinstance(h, Handle)
-            handles.append(h)
+            handles.append(ops.recv(target, g.ranks[x.src], group=g, async_op=True))
         if out:
             x = out[0]
-            sent = ops.send(flat[x.lo : x.hi], g.ranks[x.dst], group=g, async_op=True)
-            assert isinstance(sent, Handle)
-            handles.append(sent)
+            handles.append(ops.send(flat[x.lo : x.hi], g.ranks[x.dst], group=g, async_op=True))
         for h in handles:
             h.wait()
         if inc and inc[0].reduce:
             x = inc[0]
             local = flat[x.lo : x.hi]
-            combine(local, target, out=local)
+            combine(op, local, target, local)
 
 
 def _overlap(a: Transfer, b: Transfer) -> bool:

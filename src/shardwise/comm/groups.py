@@ -1,25 +1,155 @@
-"""Process groups: the world, explicit rank lists, and MPI_Comm_split."""
+"""A world of ranks and the groups formed in it, as values.
+
+A ``World`` is one process's view of one set of ranks: its rank, the world size, the backend and
+timeout, torch's process group that joins them, and what the ranks said to each other (the
+``CommStats`` counters and the ``Tracer`` flight recorder). A ``Group`` is a subset of a world's
+ranks; it carries the world it belongs to and the counters its collectives record into, so a
+collective needs nothing but its group.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import itertools
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from shardwise import dist as sw_dist
+from shardwise.comm.stats import CommStats
+from shardwise.comm.trace import Tracer, debug_from_env
 
 _names = itertools.count()
 
 
+class World:
+    """One process's place in a world of ranks, and the state of its communication.
+
+    Build it with ``shardwise.init()`` (which forms or adopts torch's default process group), or
+    directly over a process group for a world within a process.
+
+    Args:
+        rank: this process's rank in the world.
+        world_size: number of ranks.
+        local_rank: this process's rank on its node.
+        backend: "gloo", "nccl" or "mpi".
+        timeout_s: default seconds a collective of this world may wait.
+        pg: torch's process group of all ranks (None with one rank and no torch group).
+        owns_pg: True when shardwise formed ``pg`` and must destroy it when the world ends.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        backend: str,
+        timeout_s: float,
+        pg: ProcessGroup | None,
+        owns_pg: bool = False,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside the world size {world_size}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.backend = backend
+        self.timeout_s = float(timeout_s)
+        self.pg = pg
+        self.owns_pg = owns_pg
+        self.stats = CommStats()
+        self.tracer = Tracer(rank)
+        self.debug: bool | None = None  # None: follow SHARDWISE_DEBUG_COLLECTIVES
+        self.group = Group(
+            pg,
+            tuple(range(world_size)),
+            "world",
+            self.timeout_s,
+            self,
+            self.stats,
+        )
+
+    def debug_enabled(self) -> bool:
+        """Whether collectives of this world check that every rank issues the same call."""
+        return debug_from_env() if self.debug is None else self.debug
+
+    @property
+    def device(self) -> torch.device:
+        """``cuda:local_rank`` on the nccl backend, else ``cpu``."""
+        if self.backend == "nccl":
+            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+
+    def new_group(
+        self,
+        ranks: list[int] | tuple[int, ...],
+        timeout_s: float | None = None,
+        name: str | None = None,
+        dedicated: bool = False,
+        stats: CommStats | None = None,
+    ) -> Group:
+        """Form a group of the given ranks of this world. Every rank of the world must call it,
+        in the same order as every other ``new_group`` (torch's rule).
+
+        Args:
+            ranks: distinct ranks; their order is the group-rank order.
+            timeout_s: how long a collective in this group may wait; default the world's.
+            name: shown in traces and errors.
+            dedicated: always form a new torch group, even for all ranks (e.g. for a background
+                thread whose collectives must never interleave with the main thread's).
+            stats: counters the group's collectives record into (default the world's).
+        """
+        n = self.world_size
+        ranks = tuple(int(r) for r in ranks)
+        if not ranks:
+            raise ValueError("new_group needs at least one rank")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"new_group ranks must be distinct, got {list(ranks)}")
+        bad = [r for r in ranks if not 0 <= r < n]
+        if bad:
+            raise ValueError(f"ranks {bad} are outside the world of {n} ranks (allowed 0..{n - 1})")
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        if timeout <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout}")
+        name = name or f"group{next(_names)}"
+        stats = self.stats if stats is None else stats
+        if len(ranks) == 1:  # nothing to talk to: no torch group (every rank skips it alike)
+            return Group(None, ranks, name, timeout, self, stats)
+        if len(ranks) == n and timeout == self.timeout_s and not dedicated:
+            return Group(self.pg, ranks, name, timeout, self, stats)
+        pg = dist.new_group(sorted(ranks), timeout=datetime.timedelta(seconds=timeout))
+        return Group(pg if self.rank in ranks else None, ranks, name, timeout, self, stats)
+
+    def adopt(self, pg: ProcessGroup) -> Group:
+        """A group over a torch process group formed elsewhere (its ranks must be this world's)."""
+        ranks = tuple(dist.get_process_group_ranks(pg))
+        return Group(pg, ranks, f"pg{next(_names)}", self.timeout_s, self, self.stats)
+
+    def __repr__(self) -> str:
+        return (
+            f"World(rank={self.rank}, world_size={self.world_size}, backend={self.backend}, "
+            f"timeout_s={self.timeout_s:g})"
+        )
+
+
+@dataclass
+class _CallCounter:
+    """Collectives issued so far in one group (shared by copies that differ only in debug)."""
+
+    issued: int = 0
+
+
 @dataclass(frozen=True, eq=False)
 class Group:
-    """A set of ranks that communicate together.
+    """A set of ranks of one world that communicate together.
 
-    ``ranks`` lists global ranks in group-rank order: position i is group rank i. torch orders a
-    process group by global rank; where ``ranks`` is in another order (``split`` with keys), the
+    ``ranks`` lists world ranks in group-rank order: position i is group rank i. torch orders a
+    process group by rank; where ``ranks`` is in another order (``split`` with keys), the
     collectives permute chunks so that chunk i always belongs to group rank i.
     """
 
@@ -27,6 +157,11 @@ class Group:
     ranks: tuple[int, ...]
     name: str
     timeout_s: float
+    world: World = field(repr=False)
+    stats: CommStats = field(repr=False)
+    debug: bool | None = None  # None: the world's setting
+    calls: _CallCounter = field(default_factory=_CallCounter, repr=False)
+    p2p_calls: _CallCounter = field(default_factory=_CallCounter, repr=False)  # send / recv
     _torch_order: tuple[int, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -39,12 +174,16 @@ class Group:
     @property
     def rank(self) -> int:
         """This process's group rank, or -1 when it is not a member."""
-        me = sw_dist.rank()
+        me = self.world.rank
         return self.ranks.index(me) if me in self.ranks else -1
 
     @property
     def is_member(self) -> bool:
-        return sw_dist.rank() in self.ranks
+        return self.world.rank in self.ranks
+
+    @property
+    def tracer(self) -> Tracer:
+        return self.world.tracer
 
     @property
     def permuted(self) -> bool:
@@ -55,112 +194,14 @@ class Group:
         """Where torch puts group rank ``group_rank``'s chunk."""
         return self._torch_order.index(self.ranks[group_rank])
 
+    def debug_enabled(self) -> bool:
+        """Whether this group's collectives run the desync check first."""
+        return self.world.debug_enabled() if self.debug is None else self.debug
+
+    def with_debug(self, enabled: bool | None) -> Group:
+        """The same group (same torch group, counters and call sequence) with the desync check
+        on (True), off (False) or following its world (None)."""
+        return dataclasses.replace(self, debug=enabled)
+
     def __repr__(self) -> str:
         return f"Group({self.name}, ranks={list(self.ranks)})"
-
-
-_world: Group | None = None
-
-
-def world() -> Group:
-    """The group of every rank (torch's default group)."""
-    global _world
-    if _world is None or _world.size != sw_dist.world_size():
-        n = sw_dist.world_size()
-        _world = Group(dist.group.WORLD, tuple(range(n)), "world", sw_dist.timeout_s())
-    return _world
-
-
-def reset_world() -> None:
-    """Forget the cached world group (after the process group was re-formed)."""
-    global _world
-    _world = None
-
-
-def resolve(group: Group | ProcessGroup | None) -> Group:
-    """Accept None (the world), a shardwise Group or a torch ProcessGroup."""
-    if group is None:
-        return world()
-    if isinstance(group, Group):
-        return group
-    if isinstance(group, ProcessGroup):
-        ranks = tuple(dist.get_process_group_ranks(group))
-        return Group(group, ranks, f"pg{next(_names)}", sw_dist.timeout_s())
-    raise TypeError(
-        f"group must be None, a shardwise Group or a torch ProcessGroup, got {type(group).__name__}"
-    )
-
-
-def new_group(
-    ranks: list[int] | tuple[int, ...],
-    timeout_s: float | None = None,
-    name: str | None = None,
-    dedicated: bool = False,
-) -> Group:
-    """Form a group of the given global ranks. Every rank of the world must call it, in the
-    same order as every other ``new_group`` (torch's rule).
-
-    Args:
-        ranks: distinct global ranks; their order is the group-rank order.
-        timeout_s: how long a collective in this group may wait; default the world's timeout.
-        dedicated: always form a new torch group, even for all ranks (e.g. for a background
-            thread whose collectives must never interleave with the main thread's).
-    """
-    n = sw_dist.world_size()
-    ranks = tuple(int(r) for r in ranks)
-    if not ranks:
-        raise ValueError("new_group needs at least one rank")
-    if len(set(ranks)) != len(ranks):
-        raise ValueError(f"new_group ranks must be distinct, got {list(ranks)}")
-    bad = [r for r in ranks if not 0 <= r < n]
-    if bad:
-        raise ValueError(f"ranks {bad} are outside the world of {n} ranks (allowed 0..{n - 1})")
-    timeout = sw_dist.timeout_s() if timeout_s is None else float(timeout_s)
-    if timeout <= 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout}")
-    name = name or f"group{next(_names)}"
-    if len(ranks) == 1:  # nothing to talk to: no torch group (every rank skips it alike)
-        return Group(None, ranks, name, timeout)
-    if len(ranks) == n and timeout == sw_dist.timeout_s() and not dedicated:
-        return Group(dist.group.WORLD, ranks, name, timeout)
-    pg = dist.new_group(sorted(ranks), timeout=datetime.timedelta(seconds=timeout))
-    return Group(pg if sw_dist.rank() in ranks else None, ranks, name, timeout)
-
-
-def split(
-    color: int | None,
-    key: int = 0,
-    group: Group | ProcessGroup | None = None,
-    timeout_s: float | None = None,
-) -> Group | None:
-    """MPI_Comm_split: ranks of ``group`` passing the same ``color`` form one new group, ordered
-    by ``key`` then by their rank in ``group``. ``color=None`` (MPI_UNDEFINED) joins no group
-    and returns None. Every rank of the world must call it (torch forms groups collectively).
-
-    Communicates: one all_gather of two int64 per rank over ``group``.
-    """
-    import torch
-
-    from shardwise.comm import ops
-
-    parent = resolve(group)
-    if color is not None and color < 0:
-        raise ValueError(f"color must be >= 0 or None (no group), got {color}")
-    members: dict[int, list[tuple[int, int, int]]] = {}
-    if parent.is_member:
-        mine = torch.tensor([-1 if color is None else color, key], dtype=torch.int64)
-        table = ops.all_gather(mine.unsqueeze(0), group=parent).tolist()
-        for grank, (c, k) in enumerate(table):
-            if c >= 0:
-                members.setdefault(c, []).append((k, grank, parent.ranks[grank]))
-    # Groups beyond the parent are formed by the whole world; ranks outside the parent learn the
-    # layout from the parent's lowest rank so that every rank calls new_group the same times.
-    if parent.size != sw_dist.world_size():
-        members = ops.broadcast_object(members if parent.rank == 0 else None, src=parent.ranks[0])
-    result = None
-    for c in sorted(members):
-        ordered = tuple(r for _, _, r in sorted(members[c]))
-        g = new_group(ordered, timeout_s=timeout_s, name=f"split{c}")
-        if sw_dist.rank() in ordered:
-            result = g
-    return result

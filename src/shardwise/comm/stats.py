@@ -1,4 +1,4 @@
-"""Counters for every collective shardwise issues: calls, payload bytes and seconds per op."""
+"""Counters for the collectives of one scope (a world, a mesh): calls, payload bytes, seconds."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class OpStats:
         return {"calls": self.calls, "bytes": self.bytes, "seconds": self.seconds}
 
 
-@dataclass
+@dataclass(eq=False)
 class CommStats:
     """Per-op totals since the last reset.
 
@@ -25,8 +25,12 @@ class CommStats:
     message for send/recv. ``seconds`` runs from the launch of an op until it is known complete
     (its ``wait()`` returned). ``exposed_seconds`` counts only the time a caller spent blocked on
     communication: what did not overlap compute.
+
+    A scope nested in another (a mesh's counters inside its world's) passes ``parent``: every op
+    it records is recorded in the parent too, so the world's totals cover every group.
     """
 
+    parent: CommStats | None = None
     ops: dict[str, OpStats] = field(default_factory=dict)
     exposed_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -36,36 +40,32 @@ class CommStats:
             s = self.ops.setdefault(op, OpStats())
             s.calls += 1
             s.bytes += int(nbytes)
+        if self.parent is not None:
+            self.parent.record_launch(op, nbytes)
 
     def record_done(self, op: str, seconds: float, blocked_s: float) -> None:
         with self._lock:
             self.ops.setdefault(op, OpStats()).seconds += seconds
             self.exposed_seconds += blocked_s
+        if self.parent is not None:
+            self.parent.record_done(op, seconds, blocked_s)
 
-    def snapshot(self) -> dict[str, dict[str, int | float]]:
+    def snapshot(self, reset: bool = False) -> dict[str, dict[str, int | float]]:
+        """``{op: {"calls", "bytes", "seconds"}}``; ``reset`` clears every counter after."""
         with self._lock:
-            return {op: s.as_dict() for op, s in sorted(self.ops.items())}
+            snap = {op: s.as_dict() for op, s in sorted(self.ops.items())}
+            if reset:
+                self.ops.clear()
+                self.exposed_seconds = 0.0
+        return snap
+
+    def exposed(self, reset: bool = False) -> float:
+        """Seconds callers were blocked on communication; ``reset`` zeroes that counter."""
+        with self._lock:
+            value = self.exposed_seconds
+            if reset:
+                self.exposed_seconds = 0.0
+        return value
 
     def reset(self) -> None:
-        with self._lock:
-            self.ops.clear()
-            self.exposed_seconds = 0.0
-
-
-STATS = CommStats()
-
-
-def comm_stats(reset: bool = False) -> dict[str, dict[str, int | float]]:
-    """``{op: {"calls", "bytes", "seconds"}}`` for every op issued since the last reset."""
-    snap = STATS.snapshot()
-    if reset:
-        STATS.reset()
-    return snap
-
-
-def exposed_comm_seconds(reset: bool = False) -> float:
-    """Seconds callers were blocked on communication (time that did not overlap compute)."""
-    value = STATS.exposed_seconds
-    if reset:
-        STATS.exposed_seconds = 0.0
-    return value
+        self.snapshot(reset=True)

@@ -18,8 +18,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardwise import dist as sw_dist
-
 TRACE_LEN = 64
 DESC_BYTES = 480  # fixed-size fingerprint exchanged by the desync check
 
@@ -54,82 +52,72 @@ class TraceEntry:
         )
 
 
-_trace: collections.deque[TraceEntry] = collections.deque(maxlen=TRACE_LEN)
-_seq: dict[str, int] = collections.defaultdict(int)
-_debug_override: bool | None = None
-
-
-def debug_enabled() -> bool:
-    if _debug_override is not None:
-        return _debug_override
+def debug_from_env() -> bool:
+    """SHARDWISE_DEBUG_COLLECTIVES set to anything but "", "0", "false": the desync check is on."""
     return os.environ.get("SHARDWISE_DEBUG_COLLECTIVES", "0") not in ("", "0", "false", "False")
 
 
-def set_debug(enabled: bool | None) -> None:
-    """Turn the desync check on or off (None: follow SHARDWISE_DEBUG_COLLECTIVES)."""
-    global _debug_override
-    _debug_override = enabled
+class Tracer:
+    """One process's flight recorder: its last ``TRACE_LEN`` collectives, oldest first."""
 
+    def __init__(self, rank: int, length: int = TRACE_LEN) -> None:
+        self.rank = rank
+        self._entries: collections.deque[TraceEntry] = collections.deque(maxlen=length)
 
-def reset() -> None:
-    _trace.clear()
-    _seq.clear()
+    def begin(self, op: str, group_name: str, seq: int, shapes: str, dtype: str) -> TraceEntry:
+        entry = TraceEntry(seq, op, group_name, shapes, dtype, time.time())
+        self._entries.append(entry)
+        return entry
 
+    def entries(self) -> list[TraceEntry]:
+        return list(self._entries)
 
-def begin(op: str, group_name: str, shapes: str, dtype: str) -> TraceEntry:
-    _seq[group_name] += 1
-    entry = TraceEntry(_seq[group_name], op, group_name, shapes, dtype, time.time())
-    _trace.append(entry)
-    return entry
+    def reset(self) -> None:
+        self._entries.clear()
 
+    def dump(self, reason: str) -> Path:
+        """Write this rank's trace to stderr and to its file; returns the file."""
+        lines = [f"[shardwise rank {self.rank}] collective trace ({reason}), oldest first:"]
+        lines += [f"  {e.line()}" for e in self._entries]
+        text = "\n".join(lines) + "\n"
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        folder = Path(os.environ.get("SHARDWISE_TRACE_DIR", tempfile.gettempdir()))
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"shardwise-trace-rank{self.rank}.txt"
+        path.write_text(text)
+        return path
 
-def entries() -> list[TraceEntry]:
-    return list(_trace)
-
-
-def dump(reason: str) -> Path:
-    """Write this rank's trace to stderr and to its file; returns the file."""
-    rank = sw_dist.rank() if dist.is_initialized() else 0
-    lines = [f"[shardwise rank {rank}] collective trace ({reason}), oldest first:"]
-    lines += [f"  {e.line()}" for e in _trace]
-    text = "\n".join(lines) + "\n"
-    sys.stderr.write(text)
-    sys.stderr.flush()
-    folder = Path(os.environ.get("SHARDWISE_TRACE_DIR", tempfile.gettempdir()))
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"shardwise-trace-rank{rank}.txt"
-    path.write_text(text)
-    return path
-
-
-def fail(entry: TraceEntry, group_timeout_s: float, exc: BaseException) -> CollectiveError:
-    """Turn a transport exception into a shardwise error after writing the trace."""
-    msg = str(exc)
-    timed_out = "timed out" in msg.lower() or "timeout" in msg.lower()
-    path = dump(f"{entry.op} #{entry.seq} on {entry.group} failed")
-    rank = sw_dist.rank()
-    if timed_out:
-        return CollectiveTimeoutError(
-            f"rank {rank}: {entry.op} #{entry.seq} on group {entry.group} (shapes {entry.shapes}, "
-            f"{entry.dtype}) did not complete within the timeout of {group_timeout_s:g} s while "
-            f"waiting for the other ranks of the group; trace written to {path}. Cause: {msg}"
+    def fail(
+        self, entry: TraceEntry, group_timeout_s: float, exc: BaseException
+    ) -> CollectiveError:
+        """Turn a transport exception into a shardwise error after writing the trace."""
+        msg = str(exc)
+        timed_out = "timed out" in msg.lower() or "timeout" in msg.lower()
+        path = self.dump(f"{entry.op} #{entry.seq} on {entry.group} failed")
+        where = (
+            f"rank {self.rank}: {entry.op} #{entry.seq} on group {entry.group} "
+            f"(shapes {entry.shapes}, {entry.dtype})"
         )
-    return CollectiveError(
-        f"rank {rank}: {entry.op} #{entry.seq} on group {entry.group} (shapes {entry.shapes}, "
-        f"{entry.dtype}) failed; trace written to {path}. Cause: {msg}"
-    )
+        if timed_out:
+            return CollectiveTimeoutError(
+                f"{where} did not complete within the timeout of {group_timeout_s:g} s while "
+                f"waiting for the other ranks of the group; trace written to {path}. Cause: {msg}"
+            )
+        return CollectiveError(f"{where} failed; trace written to {path}. Cause: {msg}")
 
 
 def check_same_call(
-    pg: dist.ProcessGroup,
+    pg: dist.ProcessGroup | None,
     group_name: str,
     group_ranks: tuple[int, ...],
+    seq: int,
     desc: str,
     device: torch.device,
 ) -> None:
-    """Debug mode: every rank of the group exchanges a fingerprint of the call it is about to
-    make; any difference raises DesyncError on every rank instead of a hang or garbage."""
-    seq = _seq[group_name] + 1
+    """Debug mode: every rank of the group exchanges a fingerprint of call number ``seq`` it is
+    about to make; any difference raises DesyncError on every rank instead of a hang or garbage.
+    """
     text = f"#{seq} {desc}".encode()[:DESC_BYTES]
     mine = torch.zeros(DESC_BYTES, dtype=torch.uint8, device=device)
     mine[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)

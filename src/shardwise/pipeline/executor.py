@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from shardwise import comm
+from shardwise.comm import ops
 from shardwise.pipeline.p2p import Channel
 from shardwise.pipeline.schedule import Action, Kind, Schedule, build_schedule
 from shardwise.pipeline.simulate import run_schedule
@@ -169,7 +169,7 @@ class PipelineExecutor:
         if last in self.pipe.stage_ids:
             loss = torch.stack(st.losses).float().mean()
         src = self._peer[self.schedule.rank_of(last)]
-        comm.broadcast(loss, src=src, group=self.pipe.pp_group)
+        ops.broadcast(loss, src=src, group=self.pipe.pp_group)
         return loss
 
     def _do(self, a: Action, st: _StepState) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardwise import comm
-from shardwise.comm import trace
+from shardwise.comm import ops, trace
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 META_LEN = 10  # ndim, dtype code, up to 8 dims
@@ -51,7 +51,7 @@ class Channel:
         self.announced.clear()
 
     def _send(self, t: torch.Tensor, dst: int, keep: list[torch.Tensor]) -> None:
-        handle = comm.send(t, dst, group=self.group, async_op=True)
+        handle = ops.send(t, dst, group=self.group, async_op=True)
         assert handle is not None
         self.pending.append((handle, [t, *keep]))
 
@@ -62,7 +62,7 @@ class Channel:
 
     def _check_header(self, expect: torch.Tensor, src: int) -> None:
         got = torch.empty(HEADER_LEN, dtype=torch.int64)
-        comm.recv(got, src, group=self.group)
+        ops.recv(got, src, group=self.group)
         if not torch.equal(got, expect):
             me = self.group.ranks[self.group.rank]
             raise trace.DesyncError(
@@ -91,7 +91,7 @@ class Channel:
                 f" but this step's first micro-batch sent {shape} {dtype} to rank {dst}; every "
                 "micro-batch of a step must produce the same shape"
             )
-        if trace.debug_enabled():
+        if self.group.debug_enabled():
             self._send(self._header(mb, stage, 0, t), dst, [])
         self._send(t, dst, [])
 
@@ -100,20 +100,20 @@ class Channel:
         if stage not in self.announced:
             self.announced.add(stage)
             meta = torch.empty(META_LEN, dtype=torch.int64)
-            comm.recv(meta, src, group=self.group)
+            ops.recv(meta, src, group=self.group)
             ndim, code, *dims = meta.tolist()
             self.shapes[stage] = (tuple(dims[:ndim]), DTYPES[code])
         shape, dtype = self.shapes[stage]
         buf = torch.empty(shape, dtype=dtype)
-        if trace.debug_enabled():
+        if self.group.debug_enabled():
             self._check_header(self._header(mb, stage, 0, buf), src)
-        comm.recv(buf, src, group=self.group)
+        ops.recv(buf, src, group=self.group)
         return buf
 
     def send_gradient(self, g: torch.Tensor, stage: int, mb: int, dst: int) -> None:
         """Send the gradient of stage ``stage``'s input (micro-batch ``mb``) to ``dst``."""
         g = g.contiguous()
-        if trace.debug_enabled():
+        if self.group.debug_enabled():
             self._send(self._header(mb, stage, 1, g), dst, [])
         self._send(g, dst, [])
 
@@ -121,9 +121,9 @@ class Channel:
         """Receive the gradient of stage ``stage - 1``'s output (micro-batch ``mb``)."""
         shape, dtype = self.shapes[stage - 1]
         buf = torch.empty(shape, dtype=dtype)
-        if trace.debug_enabled():
+        if self.group.debug_enabled():
             self._check_header(self._header(mb, stage, 1, buf), src)
-        comm.recv(buf, src, group=self.group)
+        ops.recv(buf, src, group=self.group)
         return buf
 
     def release_completed(self) -> None:

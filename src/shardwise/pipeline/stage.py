@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from shardwise import comm
+from shardwise.comm import ops
 from shardwise.mesh import Mesh
 from shardwise.pipeline.partition import partition_layers
 
@@ -196,7 +197,7 @@ class PipelineModule(nn.Module):
             for dp in range(self.mesh.dp_size):
                 for tp in range(self.mesh.tp_size):
                     ranks = [self.mesh.rank_of(pp, dp, tp) for pp in holders]
-                    g = comm.new_group(ranks, name=f"tied-{key}")
+                    g = self.mesh.world.new_group(ranks, name=f"tied-{key}", stats=self.mesh.stats)
                     if (dp, tp) == (me["dp"], me["tp"]) and self.pp_rank in holders:
                         mine[key] = g
         return mine
@@ -205,7 +206,7 @@ class PipelineModule(nn.Module):
         for key, g in self._tied_groups.items():
             with torch.no_grad():
                 for p in self.tied[key].parameters():
-                    comm.broadcast(p.data, src=g.ranks[0], group=g)
+                    ops.broadcast(p.data, src=g.ranks[0], group=g)
 
     def reduce_tied_grads(self) -> None:
         """Sum each tied module's gradients over its holders (one all_reduce per key)."""
@@ -215,7 +216,7 @@ class PipelineModule(nn.Module):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 grads.append(p.grad)
-            comm.all_reduce_coalesced(grads, op="sum", group=g)
+            ops.all_reduce_coalesced(grads, op="sum", group=g)
 
     def forward_stage(self, stage: int, x: torch.Tensor) -> torch.Tensor:
         """Run ``x`` through the layers of ``stage`` (one of this rank's)."""

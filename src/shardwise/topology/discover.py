@@ -6,27 +6,23 @@ import os
 import socket
 from collections.abc import Sequence
 
-from shardwise import comm
-from shardwise import dist as sw_dist
-from shardwise.comm import emulate
-from shardwise.comm.groups import resolve
-from shardwise.comm.ops import GroupLike
+from shardwise.comm import GroupLike, World, emulate, objects, resolve
 from shardwise.topology import measure, probe
 from shardwise.topology.model import RankInfo, Topology
 
 
-def local_info() -> RankInfo:
-    """This rank's node, CPUs, NUMA nodes and device (no communication)."""
-    rank, world = sw_dist.rank(), sw_dist.world_size()
+def local_info(world: World) -> RankInfo:
+    """This rank's node, CPUs, NUMA nodes and device in ``world`` (no communication)."""
+    rank = world.rank
     cpus = probe.cpu_affinity()
     emulated = bool(os.environ.get(emulate.NODES_ENV))
-    device = sw_dist.device()
+    device = world.device
     gpu, bus, links = "", "", dict[str, str]()
     if device.type == "cuda":
         gpu, bus, links = probe.gpu_facts(device.index or 0)
     return RankInfo(
         rank=rank,
-        node=probe.node_name(rank, world),
+        node=probe.node_name(rank, world.world_size),
         host=socket.gethostname(),
         # emulated nodes: the launcher's LOCAL_RANK describes the real machine; number anew
         local_rank=-1 if emulated else int(os.environ.get("LOCAL_RANK", "-1")),
@@ -62,7 +58,7 @@ def discover(
     Communicates: one all_gather_object of the rank facts, then ``measure_links``' traffic.
     """
     g = resolve(group)
-    infos = comm.all_gather_object(local_info(), group=g)
+    infos = objects.all_gather_object(local_info(g.world), group=g)
     measured = measure.measure_links(g, sizes, reps)
     fits, samples = measure.link_matrix(g.size, sizes, measured)
     return Topology(

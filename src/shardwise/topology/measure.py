@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from shardwise import comm
+from shardwise.comm import objects, ops
 from shardwise.comm.groups import Group
 from shardwise.topology.model import LinkFit
 
@@ -46,11 +46,11 @@ def pair_rounds(p: int) -> list[tuple[int, int]]:
 def _round_trip(g: Group, peer: int, starts: bool, buf: torch.Tensor) -> float:
     t0 = time.perf_counter()
     if starts:
-        comm.send(buf, peer, group=g)
-        comm.recv(buf, peer, group=g)
+        ops.send(buf, peer, group=g)
+        ops.recv(buf, peer, group=g)
     else:
-        comm.recv(buf, peer, group=g)
-        comm.send(buf, peer, group=g)
+        ops.recv(buf, peer, group=g)
+        ops.send(buf, peer, group=g)
     return time.perf_counter() - t0
 
 
@@ -93,8 +93,8 @@ def measure_links(
             row = _ping_pong(g, peer, g.rank == i, [bufs[s] for s in sizes], reps)
             if g.rank == i:
                 mine.append((i, j, row))
-        comm.barrier(group=g)
-    gathered = comm.all_gather_object(mine, group=g)
+        ops.barrier(group=g)
+    gathered = objects.all_gather_object(mine, group=g)
     return [entry for part in gathered for entry in part]
 
 

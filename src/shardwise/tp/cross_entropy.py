@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from shardwise import comm
+from shardwise.comm import ops
 from shardwise.comm.groups import Group
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -55,7 +55,7 @@ class _VocabParallelCE(torch.autograd.Function):
             x = x.clone()
             x[:, real:] = float("-inf")
         top = x.max(dim=-1).values if real > 0 else x.new_full((x.shape[0],), float("-inf"))
-        comm.all_reduce(top, op="max", group=group)
+        ops.all_reduce(top, op="max", group=group)
         shifted = x - top.unsqueeze(1)
         valid = targets != ignore_index
         local_t = targets - start
@@ -66,10 +66,10 @@ class _VocabParallelCE(torch.autograd.Function):
         if smoothing > 0:
             parts.append(shifted[:, :real].sum(dim=-1))
         sums = torch.stack(parts)
-        comm.all_reduce(sums, op="sum", group=group)
+        ops.all_reduce(sums, op="sum", group=group)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
-        comm.all_reduce(sum_exp, op="sum", group=group)
+        ops.all_reduce(sum_exp, op="sum", group=group)
         lse = sum_exp.log()  # log-sum-exp of the shifted logits
         loss = lse - sums[0]
         if smoothing > 0:

@@ -11,7 +11,7 @@ sec. 3, the f and g operators; Korthikanti et al. 2022, sec. 4.2.2, for the sequ
     slice_sequence     take this rank's    | pad the gradient with zeros (the parameters behind
                        slice of the seq    | it are replicated and reduced over tp at step end)
 
-Every collective goes through ``shardwise.comm`` with the tp group passed explicitly, so all
+Every collective goes through ``shardwise.comm.ops`` with the tp group passed explicitly, so all
 bytes are counted in ``comm_stats()``. The sequence dim of an activation is dim 1
 (``[batch, seq, hidden]``).
 """
@@ -22,21 +22,21 @@ from typing import Any
 
 import torch
 
-from shardwise import comm
+from shardwise.comm import ops
 from shardwise.comm.groups import Group
 
 SEQ_DIM = 1
 
 
 def _all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
-    comm.all_reduce(t, op="sum", group=group)
+    ops.all_reduce(t, op="sum", group=group)
     return t
 
 
 def gather_dim(t: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Concatenate every rank's ``t`` along ``dim`` (group-rank order)."""
     front = t.movedim(dim, 0).contiguous()
-    out = comm.all_gather(front, group=group)
+    out = ops.all_gather(front, group=group)
     assert isinstance(out, torch.Tensor)
     return out.movedim(0, dim)
 
@@ -44,7 +44,7 @@ def gather_dim(t: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 def _reduce_scatter_dim(t: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Sum ``t`` over the group and keep this rank's equal chunk of ``dim``."""
     front = t.movedim(dim, 0).contiguous()
-    out = comm.reduce_scatter(front, op="sum", group=group)
+    out = ops.reduce_scatter(front, op="sum", group=group)
     assert isinstance(out, torch.Tensor)
     return out.movedim(0, dim)
 

@@ -16,10 +16,12 @@ from typing import Any
 import torch
 
 import shardwise
-from shardwise import comm
+from shardwise.comm import World, objects, ops
 from shardwise.data import DistributedBatchSampler, load_corpus
 from shardwise.engine import Engine
+from shardwise.mesh import Mesh
 from shardwise.models.gpt import GPT
+from shardwise.seeding import seed_all
 from shardwise.train import checkpoints
 from shardwise.train.metrics import MetricsWriter, read_metrics
 from shardwise.train.options import RunConfig
@@ -46,41 +48,45 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
 
 
 class Trainer:
-    """One rank's share of a run. Build it after ``shardwise.init()``; ``run()`` trains.
+    """One rank's share of a run; ``run()`` trains.
 
     Args:
         run: the resolved run config (``config.json``).
         run_dir: where metrics, checkpoints and the final model go.
         resume: continue from the newest checkpoint in ``run_dir``.
+        world: the world of ranks that runs it (``shardwise.init()``).
     """
 
-    def __init__(self, run: RunConfig, run_dir: RunDir, resume: bool) -> None:
+    def __init__(self, run: RunConfig, run_dir: RunDir, resume: bool, world: World) -> None:
         self.run_cfg, self.dir, self.opts = run, run_dir, run.train
-        self.rank, self.world = shardwise.rank(), shardwise.world_size()
-        if self.world != run.world_size:
+        self.world = world
+        self.rank = world.rank
+        if world.world_size != run.world_size:
             raise ValueError(
                 f"the run is configured for {run.world_size} ranks but "
-                f"{self.world} started: launch it with matching --nproc-per-node"
+                f"{world.world_size} started: launch it with matching --nproc-per-node"
             )
+        self.mesh = Mesh(dp=-1, world=world)
+        self.dp = self.mesh.group("dp")  # data: each dp rank reads its own slice of a batch
         self.started = time.perf_counter()
         if resume and self.rank == 0:  # if this launch fails, no summary says the run ended
             discard_summary(run_dir.summary)
         cfg = run.model
         self.corpus = load_corpus(self.opts.data, max_bytes=self.opts.max_bytes)
-        torch.manual_seed(run.engine.seed)
+        seed_all(run.engine.seed)  # the same model on every rank
         model = GPT(cfg)
         optimizer = torch.optim.AdamW(
             param_groups(model, self.opts.weight_decay), lr=self.opts.lr, betas=(0.9, 0.95)
         )
         engine_cfg = run_dir.engine_config(run.engine)  # this run dir's checkpoints, always
         engine_cfg = engine_cfg.replace(resume="auto") if resume else engine_cfg
-        self.engine: Engine = shardwise.initialize(model, optimizer, engine_cfg)
+        self.engine: Engine = shardwise.initialize(model, optimizer, engine_cfg, group=self.mesh)
         self.sampler = DistributedBatchSampler(
             self.corpus.train,
             cfg.seq_len,
             run.micro_batch,
-            self.rank,
-            self.world,
+            self.dp.rank,
+            self.dp.size,
             seed=run.engine.seed,
             grad_accum=run.engine.gradient_accumulation_steps,
         )
@@ -91,7 +97,7 @@ class Trainer:
             self.step = found or 0
         # the optimizer step of the newest checkpoint (a resumed run starts at one)
         self.saved_step: int | None = self.engine.global_step if self.step else None
-        comm.comm_stats(reset=True)  # setup's broadcasts and loading are not the first step's
+        world.stats.reset()  # setup's broadcasts and loading are not the first step's
         self.last_val: float | None = None
         self.prior_wall_s = 0.0  # earlier launches of a resumed run (rank 0 knows it)
 
@@ -123,15 +129,15 @@ class Trainer:
         memory = self.engine.memory()  # gradients are held now: the step's peak of model states
         self.engine.step()
         step_time = time.perf_counter() - t0
-        # exposed time first: comm_stats(reset=True) clears it too
-        exposed = comm.exposed_comm_seconds()
-        ops = comm.comm_stats(reset=True)
+        # exposed time first: snapshot(reset=True) clears it too
+        exposed = self.world.stats.exposed()
+        comm_ops = self.world.stats.snapshot(reset=True)
         return {
             "loss": sum(losses) / len(losses),
             "lr": lr,
             "step_time_s": step_time,
             "exposed_comm_s": exposed,
-            "comm": ops,
+            "comm": comm_ops,
             "memory": memory,
             "grad_norm": self.engine.grad_norm,
             "stop": int(stop.signal) if stop.signal is not None else 0,
@@ -139,15 +145,15 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Validation loss over ``eval_batches`` micro-batches per rank (the same ones at every
-        evaluation), averaged over ranks. Communicates: one all_reduce of one float."""
+        """Validation loss over ``eval_batches`` micro-batches per dp rank (the same ones at every
+        evaluation), averaged over the dp group. Communicates: one all_reduce of one float."""
         cfg = self.run_cfg.model
         val = DistributedBatchSampler(
             self.corpus.val,
             cfg.seq_len,
             self.run_cfg.micro_batch,
-            self.rank,
-            self.world,
+            self.dp.rank,
+            self.dp.size,
             seed=self.run_cfg.engine.seed,
         )
         self.engine.eval()
@@ -157,7 +163,7 @@ class Trainer:
             total += float(self.engine(x, y).float())
         self.engine.train()
         mean = torch.tensor([total / self.opts.eval_batches], dtype=torch.float64)
-        shardwise.all_reduce(mean, op="avg")
+        ops.all_reduce(mean, op="avg", group=self.dp)
         return float(mean[0])
 
     def _record(self, parts: list[dict[str, Any]], val_loss: float | None) -> dict[str, Any]:
@@ -198,7 +204,7 @@ class Trainer:
         while self.step < self.opts.steps:
             local = self._train_step(stop)
             self.step += 1
-            parts = comm.all_gather_object(local)
+            parts = objects.all_gather_object(local, group=self.world.group)
             signals = [p["stop"] for p in parts if p["stop"]]
             val_loss = None
             if self.step == self.opts.steps or (every and self.step % every == 0):
@@ -211,7 +217,7 @@ class Trainer:
                 progress.update(record)
             if ckpt_every and self.step % ckpt_every == 0 and not signals:
                 self._save_checkpoint()
-            comm.comm_stats(reset=True)  # bookkeeping, evaluation and saving are not the step's
+            self.world.stats.reset()  # bookkeeping, evaluation and saving are not the step's
             if signals:
                 stop.stop_with(signals[0])
                 return
@@ -234,7 +240,7 @@ class Trainer:
         if progress is not None:
             progress.message(
                 f"training {self.run_cfg.model.param_count() / 1e6:.2f}M params on "
-                f"{self.world} ranks, ZeRO-{self.run_cfg.engine.zero_stage}, "
+                f"{self.world.world_size} ranks, ZeRO-{self.run_cfg.engine.zero_stage}, "
                 f"{self.run_cfg.engine.precision}, {self.run_cfg.tokens_per_step} tokens/step; "
                 f"unigram baseline {unigram:.3f} nats"
             )

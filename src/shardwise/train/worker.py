@@ -42,9 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = RunConfig.read(run_dir.config)
     # From here on a signal only asks to stop: a Ctrl-C during setup stops after the first step.
     with StopRequest() as stop:
-        shardwise.init()
-        _setup_logging(shardwise.rank())
-        code = Trainer(run, run_dir, resume=args.resume or restarted).run(stop)
+        world = shardwise.init()
+        _setup_logging(world.rank)
+        code = Trainer(run, run_dir, resume=args.resume or restarted, world=world).run(stop)
         # no shutdown after an error: it would wait for ranks that the launcher now stops
         shardwise.shutdown()
     return code

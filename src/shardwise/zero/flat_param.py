@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardwise import comm
+from shardwise.comm import ops
 from shardwise.comm.groups import Group
 from shardwise.zero.gather_log import GatherLog
 from shardwise.zero.partition import (
@@ -110,7 +110,7 @@ class FlatParam:
         fill = float("nan") if dtypes.param.is_floating_point else 0
         self._placeholder = torch.full((), fill, dtype=dtypes.param, device=self.device)
         self.state = ParamState.FULL
-        self._gather_handle: comm.Handle | None = None
+        self._gather_handle: ops.Handle | None = None
         self.log: GatherLog | None = None  # stage 3: records every all_gather it starts
         self._gather_src: torch.Tensor | None = None
         self.shard = self.full[self.shard_start : self.shard_stop]
@@ -130,11 +130,11 @@ class FlatParam:
         buffer at the master dtype when it differs from the compute dtype, else at the compute
         dtype."""
         if self._init_master is not None:
-            comm.broadcast(self._init_master, src=src, group=self.group)
+            ops.broadcast(self._init_master, src=src, group=self.group)
             with torch.no_grad():
                 self.full.copy_(self._init_master)
         else:
-            comm.broadcast(self.full, src=src, group=self.group)
+            ops.broadcast(self.full, src=src, group=self.group)
 
     def finish_init(self, host: torch.device | None = None) -> None:
         """Split off the shard, the fp32 master and the optimizer's views; release what this
@@ -196,7 +196,7 @@ class FlatParam:
             self.log.record(self)
         _resize_storage(self.full, self.padded)
         self._gather_src = self.shard
-        self._gather_handle = comm.all_gather(
+        self._gather_handle = ops.all_gather(
             self.shard, group=self.group, out=self.full, async_op=True
         )
         self._transition(ParamState.GATHERING)
@@ -222,7 +222,7 @@ class FlatParam:
 
     # ---- after the optimizer step ----
 
-    def publish_master(self) -> comm.Handle | None:
+    def publish_master(self) -> ops.Handle | None:
         """Copy the updated master into the parameters; at stages 1-2 start the all_gather that
         brings every rank the others' updated slices. Communicates (stages 1-2): all_gather of
         the padded flat buffer."""
@@ -234,7 +234,7 @@ class FlatParam:
                 target.copy_(self.master, non_blocking=True)
         if not self.stage.gather_after_step:
             return None
-        return comm.all_gather(self.shard, group=self.group, out=self.full, async_op=True)
+        return ops.all_gather(self.shard, group=self.group, out=self.full, async_op=True)
 
     # ---- checkpoints and state dicts ----
 
@@ -262,7 +262,7 @@ class FlatParam:
             return self.master.detach().clone()
         src = self.master.to(self.device)
         out = torch.empty(self.padded, dtype=src.dtype, device=self.device)
-        comm.all_gather(src.contiguous(), group=self.group, out=out)
+        ops.all_gather(src.contiguous(), group=self.group, out=out)
         return out
 
     def load_param(self, slot: ParamSlot, value: torch.Tensor) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardwise import comm
+from shardwise.comm import algorithms, ops
 from shardwise.comm.schedules import GroupLinks
 from shardwise.zero.flat_param import FlatParam
 from shardwise.zero.partition import ParamSlot
@@ -33,7 +33,7 @@ MAX_IN_FLIGHT = 2  # reductions in flight at stages 2-3: bounds transient gradie
 @dataclass
 class _Pending:
     flat: FlatParam
-    handle: comm.Handle
+    handle: ops.Handle
     scratch: torch.Tensor | None  # reduced slice to add into grad_shard
     buf: torch.Tensor  # what was reduced: grad_full, or its copy at the reduce dtype
 
@@ -121,25 +121,22 @@ class GradReducer:
         )
         scratch = None
         if not f.stage.shard_optimizer:
-            handle = comm.all_reduce(
-                buf, "avg", f.group, True, algorithm=self.algorithm, links=self.links
+            handle = algorithms.all_reduce(
+                buf, "avg", group=f.group, async_op=True, algorithm=self.algorithm, links=self.links
             )
         elif not f.stage.shard_grads:
-            handle = comm.reduce_scatter(
+            handle = ops.reduce_scatter(
                 buf,
                 op="avg",
                 group=f.group,
                 out=buf[f.shard_start : f.shard_stop],
                 async_op=True,
-                inplace_ok=True,
             )
         else:
             scratch = torch.empty(
                 f.shard_stop - f.shard_start, dtype=f.dtypes.reduce, device=f.device
             )
-            handle = comm.reduce_scatter(
-                buf, op="avg", group=f.group, out=scratch, async_op=True, inplace_ok=True
-            )
+            handle = ops.reduce_scatter(buf, op="avg", group=f.group, out=scratch, async_op=True)
         self._pending.append(_Pending(f, handle, scratch, buf))
         while f.stage.shard_grads and len(self._pending) > MAX_IN_FLIGHT:
             self._complete(self._pending.pop(0))

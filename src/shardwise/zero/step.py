@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardwise import comm
+from shardwise.comm import ops
 from shardwise.placement import NormReduction
 from shardwise.precision import DynamicLossScaler
 from shardwise.zero.flat_param import FlatParam
@@ -62,7 +62,7 @@ def global_sumsq(
     if norm is not None:
         norm.reduce(t)
     if f.stage.shard_optimizer:
-        comm.all_reduce(t, op="sum", group=f.group)
+        ops.all_reduce(t, op="sum", group=f.group)
     return float(t[0])
 
 
@@ -76,7 +76,7 @@ def used_anywhere(flats: list[FlatParam]) -> list[list[bool]]:
     bits = [u for f in flats for u in f.used]
     lanes = log.lanes() if log is not None else []
     t = torch.tensor(bits + lanes, dtype=torch.uint8, device=flats[0].device)
-    comm.all_reduce(t, op="max", group=flats[0].group)
+    ops.all_reduce(t, op="max", group=flats[0].group)
     values = t.tolist()
     if log is not None:
         try:

@@ -1,0 +1,136 @@
+"""Inside the library every collective names its group: library modules call ``comm.ops``,
+``comm.objects`` and ``comm.mpi_split`` (group required) and never the public facade, where a
+forgotten ``group=`` would silently mean the whole world."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardwise
+from shardwise.comm import facade, mpi_split, objects, ops
+
+PACKAGE = Path(shardwise.__file__).resolve().parent
+# The facade itself, and the package's re-exports of it.
+FACADE_HOMES = {
+    PACKAGE / "__init__.py",
+    PACKAGE / "comm" / "__init__.py",
+    PACKAGE / "comm" / "facade.py",
+}
+FACADE_NAMES = {
+    "all_reduce",
+    "all_reduce_coalesced",
+    "broadcast",
+    "all_gather",
+    "all_gather_list",
+    "reduce_scatter",
+    "send",
+    "recv",
+    "barrier",
+    "broadcast_object",
+    "all_gather_object",
+    "new_group",
+    "split",
+    "comm_stats",
+    "exposed_comm_seconds",
+    "set_debug",
+}
+FACADE_MODULES = {"shardwise", "shardwise.comm", "shardwise.comm.facade"}
+
+
+def facade_calls(source: str) -> list[str]:
+    """``name`` for each call of a facade function in ``source``: ``comm.all_reduce(...)``,
+    ``shardwise.broadcast(...)``, or a name imported from the facade and called."""
+    tree = ast.parse(source)
+    aliases: dict[str, str] = {}  # local name -> facade module
+    imported: dict[str, str] = {}  # local name -> facade function
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in FACADE_MODULES:
+                    aliases[a.asname or a.name] = a.name
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if full in FACADE_MODULES:
+                    aliases[a.asname or a.name] = full
+                elif node.module in FACADE_MODULES and a.name in FACADE_NAMES:
+                    imported[a.asname or a.name] = a.name
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Attribute) and f.attr in FACADE_NAMES:
+            base = ast.unparse(f.value)
+            if base in aliases:
+                found.append(f"{base}.{f.attr}")
+        elif isinstance(f, ast.Name) and f.id in imported:
+            found.append(f.id)
+    return found
+
+
+def test_the_check_finds_facade_calls() -> None:
+    src = (
+        "import shardwise\nfrom shardwise import comm\n"
+        "from shardwise.comm import all_reduce as ar\nfrom shardwise.comm import ops\n"
+        "comm.all_reduce(t)\nshardwise.broadcast(t, group=g)\nar(t)\nops.all_reduce(t, group=g)\n"
+    )
+    assert facade_calls(src) == ["comm.all_reduce", "shardwise.broadcast", "ar"]
+
+
+def test_library_modules_call_no_facade_collective() -> None:
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path in FACADE_HOMES:
+            continue
+        calls = facade_calls(path.read_text())
+        if calls:
+            offenders[str(path.relative_to(PACKAGE))] = calls
+    assert not offenders, (
+        f"library code calls the public facade (group=None means the world): {offenders}; "
+        "call shardwise.comm.ops / objects / mpi_split with an explicit group"
+    )
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: ops.all_reduce(torch.ones(2), group=None),  # type: ignore[call-overload]
+        lambda: ops.broadcast(torch.ones(2), group=None),  # type: ignore[call-overload]
+        lambda: ops.all_gather(torch.ones(2), group=None),  # type: ignore[call-overload]
+        lambda: ops.reduce_scatter(torch.ones(2), group=None),  # type: ignore[call-overload]
+        lambda: ops.barrier(group=None),  # type: ignore[arg-type]
+        lambda: objects.all_gather_object(1, group=None),  # type: ignore[arg-type]
+        lambda: mpi_split.split(0, group=None),  # type: ignore[arg-type]
+    ],
+)
+def test_library_entry_points_refuse_a_missing_group(call) -> None:
+    with pytest.raises(TypeError, match="group must be a shardwise Group"):
+        call()
+
+
+def test_library_entry_points_have_no_default_group() -> None:
+    import inspect
+
+    for fn in (
+        ops.all_reduce,
+        ops.broadcast,
+        ops.all_gather,
+        ops.reduce_scatter,
+        ops.send,
+        ops.recv,
+        ops.barrier,
+        ops.all_gather_list,
+        ops.all_reduce_coalesced,
+        objects.broadcast_object,
+        objects.all_gather_object,
+        mpi_split.split,
+    ):
+        group = inspect.signature(fn).parameters["group"]
+        assert group.default is inspect.Parameter.empty, fn.__name__
+        assert group.kind is inspect.Parameter.KEYWORD_ONLY, fn.__name__
+    assert inspect.signature(facade.all_reduce).parameters["group"].default is None

@@ -1,0 +1,150 @@
+"""The import graph of ``src/shardwise`` has no cycle: every import statement counts, also one
+inside a function (a lazy import) or under ``if TYPE_CHECKING``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import shardwise
+
+PACKAGE = Path(shardwise.__file__).resolve().parent
+ROOT = "shardwise"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _target(
+    node: ast.ImportFrom, name: str, here: str, is_pkg: bool, known: dict[str, Path]
+) -> str:
+    """The module a ``from X import name`` loads: X.name when that is a module, else X."""
+    if node.level:
+        base = here.split(".") if is_pkg else here.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        source = ".".join(base + ([node.module] if node.module else []))
+    else:
+        source = node.module or ""
+    return f"{source}.{name}" if f"{source}.{name}" in known else source
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the shardwise modules its import statements load (anywhere in the file)."""
+    known = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in known}
+    for mod, path in known.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                targets = [_target(node, a.name, mod, is_pkg, known) for a in node.names]
+            else:
+                continue
+            for t in targets:
+                if (t == ROOT or t.startswith(ROOT + ".")) and t in known and t != mod:
+                    graph[mod].add(t)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                found.append(sorted(scc))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _path_in(graph: dict[str, set[str]], scc: list[str]) -> list[str]:
+    """One concrete cycle through the component's first module, for the failure message."""
+    start, members = scc[0], set(scc)
+    path, seen = [start], {start}
+    while True:
+        nxt = sorted(graph[path[-1]] & members)
+        if start in nxt and len(path) > 1:
+            return [*path, start]
+        step = next((n for n in nxt if n not in seen), None)
+        if step is None:
+            return [*path, start]
+        path.append(step)
+        seen.add(step)
+
+
+def test_the_walker_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
+    graph = import_graph()
+    assert "shardwise.comm.ops" in graph["shardwise.comm.facade"]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+# The engine and the checkpoint modules that save and load it still import each other; the
+# checkpoint layer is being separated from the engine. No other module may join that cycle.
+KNOWN_CYCLE = {
+    "shardwise.engine",
+    "shardwise.checkpoint.engine_export",
+    "shardwise.checkpoint.engine_shards",
+    "shardwise.checkpoint.engine_state",
+    "shardwise.checkpoint.engine_trainer",
+}
+
+
+def _describe(graph: dict[str, set[str]], found: list[list[str]]) -> str:
+    return "import cycles:\n" + "\n".join(" -> ".join(_path_in(graph, scc)) for scc in found)
+
+
+def test_no_import_cycle_beyond_the_known_one() -> None:
+    graph = import_graph()
+    found = [scc for scc in cycles(graph) if not set(scc) <= KNOWN_CYCLE]
+    assert not found, _describe(graph, found)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="engine <-> checkpoint.engine_*: remove this mark (and KNOWN_CYCLE) "
+    "once the checkpoint layer no longer imports the engine",
+)
+def test_no_import_cycle() -> None:
+    graph = import_graph()
+    found = cycles(graph)
+    assert not found, _describe(graph, found)
+
+
+def test_dist_is_a_leaf() -> None:
+    assert import_graph()["shardwise.dist"] == set()
