@@ -61,17 +61,13 @@ def _run(which: tuple[str, ...]) -> dict:
         for w, (mesh, engine) in built.items():  # interleaved step by step
             parts = zc.batches("gpt", STEPS, mesh.dp_size)[s]
             losses[w].append(_step(mesh, engine, parts))
-    out = {
-        w: {
-            "stats": _counts(mesh.stats.snapshot()),
-            "losses": losses[w],
-            "state": engine.state_dict(),
-            "debug": engine.group.debug_enabled(),
-        }
-        for w, (mesh, engine) in built.items()
-    }
+    out: dict = {w: {"stats": _counts(mesh.stats.snapshot())} for w, (mesh, _) in built.items()}
     out["world"] = _counts(world.stats.snapshot())
     out["world_debug"] = (world.debug, world.debug_enabled())
+    for w, (_, engine) in built.items():  # state_dict communicates: after the counts
+        out[w].update(
+            losses=losses[w], state=engine.state_dict(), debug=engine.group.debug_enabled()
+        )
     return out
 
 
