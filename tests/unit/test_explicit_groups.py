@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import shardwise
+from shardwise import comm
 from shardwise.comm import facade, mpi_split, objects, ops
 
 PACKAGE = Path(shardwise.__file__).resolve().parent
@@ -133,4 +134,5 @@ def test_library_entry_points_have_no_default_group() -> None:
         group = inspect.signature(fn).parameters["group"]
         assert group.default is inspect.Parameter.empty, fn.__name__
         assert group.kind is inspect.Parameter.KEYWORD_ONLY, fn.__name__
-    assert inspect.signature(facade.all_reduce).parameters["group"].default is None
+    assert inspect.signature(comm.all_reduce).parameters["group"].default is None
+    assert inspect.signature(facade.broadcast).parameters["group"].default is None
