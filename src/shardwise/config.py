@@ -19,12 +19,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from shardwise.bytesize import MiB
 from shardwise.comm.algorithms import ALGORITHMS
+from shardwise.precision import PRECISIONS
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-REDUCE_DTYPES = (None, "fp32", "bf16", "fp16")
+REDUCE_DTYPES = (None, *PRECISIONS)
 RESUME = ("never", "auto")
-MiB = 1 << 20
 COUNT_MAX = 2**31 - 1
 """Upper bound of every count (steps, sizes in items): larger is a typo, not a plan."""
 

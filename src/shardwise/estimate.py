@@ -11,38 +11,24 @@ elements, so each rank holds ceil(Ψ / N) of them.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
-from fractions import Fraction
 
+from shardwise.bytesize import format_bytes, parse_bytes
 from shardwise.models.gpt import GPTConfig
+from shardwise.precision import PRECISIONS
+from shardwise.zero.stage import STAGES, ZeroStage
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-"""Precision names the estimator accepts."""
-
-STAGES = (0, 1, 2, 3)
-"""ZeRO stages the estimator reports."""
-
-# What each stage shards: (params, grads, optimizer state), from the ZeRO paper sec. 5.
-_SHARDED: dict[int, tuple[bool, bool, bool]] = {
-    0: (False, False, False),
-    1: (False, False, True),
-    2: (False, True, True),
-    3: (True, True, True),
-}
-
-_UNITS: dict[str, int] = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "kib": 2**10,
-    "mb": 10**6,
-    "mib": 2**20,
-    "gb": 10**9,
-    "gib": 2**30,
-    "tb": 10**12,
-    "tib": 2**40,
-}
+__all__ = [
+    "PRECISIONS",
+    "STAGES",
+    "StageEstimate",
+    "estimate_activations",
+    "estimate_model_states",
+    "fits",
+    "format_bytes",
+    "format_estimate_table",
+    "parse_bytes",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,20 +99,19 @@ def estimate_model_states(
     _check_precision(precision)
     state_bytes = 4 if precision == "fp32" else 2  # bytes per param and per grad element
     optim_bytes = 8 if precision == "fp32" else 12  # K: two moments (+ fp32 master)
-    if reduce_dtype not in (None, "fp32", "bf16", "fp16"):
-        raise ValueError(
-            f"reduce_dtype must be None, 'fp32', 'bf16' or 'fp16', got {reduce_dtype!r}"
-        )
+    if reduce_dtype is not None and reduce_dtype not in PRECISIONS:
+        allowed = ", ".join(repr(p) for p in PRECISIONS)
+        raise ValueError(f"reduce_dtype must be None, {allowed}, got {reduce_dtype!r}")
     shard_grad_bytes = 4 if reduce_dtype in (None, "fp32") else 2
     shard = math.ceil(num_params / world_size)  # elements per rank after padding to N
     estimates = {}
     for stage in STAGES:
-        params_sharded, grads_sharded, optim_sharded = _SHARDED[stage]
+        zs = ZeroStage.of(stage)  # what the engine shards at this stage
         estimates[stage] = StageEstimate(
             stage=stage,
-            params_bytes=state_bytes * (shard if params_sharded else num_params),
-            grads_bytes=shard_grad_bytes * shard if grads_sharded else state_bytes * num_params,
-            optimizer_bytes=optim_bytes * (shard if optim_sharded else num_params),
+            params_bytes=state_bytes * (shard if zs.shard_params else num_params),
+            grads_bytes=shard_grad_bytes * shard if zs.shard_grads else state_bytes * num_params,
+            optimizer_bytes=optim_bytes * (shard if zs.shard_optimizer else num_params),
             offload=offload,
         )
     return estimates
@@ -202,34 +187,6 @@ def estimate_activations(
 def fits(estimate: StageEstimate, device_memory_bytes: int, activation_bytes: int = 0) -> bool:
     """Whether ``estimate``'s device part plus ``activation_bytes`` fit in the device memory."""
     return estimate.device_bytes + activation_bytes <= device_memory_bytes
-
-
-def parse_bytes(text: str | int) -> int:
-    """Parse a size like ``"80GB"``, ``"1.5 GiB"``, ``"512MiB"`` or ``"4096"`` into bytes.
-
-    Decimal units (KB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers
-    of 1024; a bare number or ``B`` means bytes. Units are case-insensitive.
-    """
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text < 0:
-            raise ValueError(f"byte size {text} is negative: give a size >= 0")
-        return text
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        allowed = ", ".join(u for u in ("B", "KB", "KiB", "MB", "MiB", "GB", "GiB", "TB", "TiB"))
-        raise ValueError(f"cannot parse byte size {text!r}: use a number and one of {allowed}")
-    return round(Fraction(match.group(1)) * _UNITS[unit])
-
-
-def format_bytes(num_bytes: int) -> str:
-    """Render a byte count with a binary unit, e.g. ``"1.50 GiB"``."""
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} TiB"
 
 
 def format_estimate_table(

@@ -6,8 +6,8 @@ keeps fp16 gradients inside fp16's range (Micikevicius et al., "Mixed Precision 
 ICLR 2018, section 3.2: scale the loss, skip the step and lower the scale on overflow, raise it
 again after a run of clean steps).
 
-Nothing here communicates: `local_found_inf` gives this rank's overflow flag and the caller
-reduces it across ranks with MAX through ``shardwise.comm``.
+Nothing here communicates: the caller agrees on overflow across ranks (``zero.step`` reduces the
+squared gradient norm, which is not finite after an overflow) before ``update``.
 """
 
 from __future__ import annotations
@@ -15,36 +15,34 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
-import torch.distributed as dist
+
+from shardwise import dist as sw_dist
 
 __all__ = [
     "PRECISIONS",
     "DynamicLossScaler",
     "Precision",
     "PrecisionPolicy",
-    "local_found_inf",
     "resolve_precision",
 ]
 
 log = logging.getLogger(__name__)
 
 Precision = Literal["fp32", "bf16", "fp16"]
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
-_DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+"""The precision names every part of shardwise accepts (config, CLI, estimator)."""
+_DTYPES: dict[str, torch.dtype] = dict(
+    zip(PRECISIONS, (torch.float32, torch.bfloat16, torch.float16), strict=True)
+)
 
 
 def _rank_prefix() -> str:
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    return f"rank {rank}"
+    return f"rank {sw_dist.rank()}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,22 +141,6 @@ def resolve_precision(
 # ---------------------------------------------------------------------------------------------
 
 
-def local_found_inf(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
-    """This rank's overflow flag: 0-d float32 tensor, 1.0 if any tensor holds an inf or nan.
-
-    Entries that are ``None`` (parameters without a gradient) are skipped. The flag lives on the
-    device of the first tensor (CPU when there is none) and is computed without a host sync;
-    reduce it across ranks with MAX before calling `DynamicLossScaler.update`.
-    """
-    found: torch.Tensor | None = None
-    for tensor in tensors:
-        if tensor is None:
-            continue
-        bad = torch.logical_not(torch.isfinite(tensor).all()).to(torch.float32)
-        found = bad if found is None else torch.maximum(found, bad.to(found.device))
-    return torch.zeros((), dtype=torch.float32) if found is None else found
-
-
 def _check_scaler_args(
     init_scale: float,
     growth_factor: float,
@@ -229,16 +211,6 @@ class DynamicLossScaler:
         if loss.dtype in (torch.float16, torch.bfloat16):
             loss = loss.float()
         return loss * self._scale
-
-    def unscale_(self, grads: Iterable[torch.Tensor | None]) -> None:
-        """Divide gradients by the scale in place (``None`` entries are skipped)."""
-        if not self.enabled:
-            return
-        inv_scale = 1.0 / self._scale
-        with torch.no_grad():
-            for grad in grads:
-                if grad is not None:
-                    grad.mul_(inv_scale)
 
     def update(self, found_inf: bool) -> bool:
         """Adjust the scale after a step; returns True when the step must be skipped.

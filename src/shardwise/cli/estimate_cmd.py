@@ -83,7 +83,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--reduce-dtype",
-        choices=["fp32", "bf16", "fp16"],
+        choices=list(PRECISIONS),
         default=None,
         help="dtype gradients are reduced and sharded gradients kept in "
         "(default fp32, as the engine)",

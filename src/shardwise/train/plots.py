@@ -18,6 +18,7 @@ import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from shardwise.bytesize import byte_unit
 from shardwise.train.summary import CATEGORIES, peak_memory
 
 Records = list[dict[str, Any]]
@@ -61,14 +62,6 @@ def _save(fig: Figure, path: Path) -> Path:
     fig.savefig(path)
     plt.close(fig)
     return path
-
-
-def byte_unit(num_bytes: float) -> tuple[float, str]:
-    """Divisor and name of the binary unit that shows ``num_bytes`` best."""
-    for div, name in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
-        if num_bytes >= div:
-            return float(div), name
-    return 1.0, "B"
 
 
 def plot_loss(records: Records, baseline: float | None, path: Path) -> Path:

@@ -24,9 +24,9 @@ from rich.progress import (
 from rich.progress import Progress as RichProgress
 from rich.text import Text
 
-log = logging.getLogger("shardwise.train")
+from shardwise.bytesize import MiB
 
-MiB = 1 << 20
+log = logging.getLogger("shardwise.train")
 
 
 def format_duration(seconds: float) -> str:

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shardwise.estimate import format_bytes
+from shardwise.bytesize import format_bytes
 from shardwise.train import plots
 from shardwise.train.metrics import read_metrics
 from shardwise.train.options import RunConfig

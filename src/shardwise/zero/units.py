@@ -32,26 +32,32 @@ def _split_trainable(named: Named) -> tuple[Named, Named]:
     return [x for x in named if x[1].requires_grad], [x for x in named if not x[1].requires_grad]
 
 
-def buckets(model: nn.Module, bucket_bytes: int) -> list[tuple[Named, bool]]:
-    """Parameter buckets for stages 0-2, in expected gradient-ready order, with a trainable flag.
-    Frozen parameters are not bucketed: they are neither reduced nor updated."""
+def fill_buckets(named: Named, bucket_bytes: int) -> list[Named]:
+    """``named`` cut, in order, into runs of at most ``bucket_bytes`` (a larger tensor alone)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket bytes must be >= 1, got {bucket_bytes}")
-    named = list(model.named_parameters())  # shared parameters appear once
-    trainable, _ = _split_trainable(named)
-    out: list[tuple[Named, bool]] = []
+    out: list[Named] = []
     current: Named = []
     size = 0
-    for name, p in reversed(trainable):
+    for name, p in named:
         nbytes = p.numel() * p.element_size()
         if current and size + nbytes > bucket_bytes:
-            out.append((current, True))
+            out.append(current)
             current, size = [], 0
         current.append((name, p))
         size += nbytes
     if current:
-        out.append((current, True))
+        out.append(current)
     return out
+
+
+def buckets(model: nn.Module, bucket_bytes: int) -> list[tuple[Named, bool]]:
+    """Parameter buckets for stages 0-2, in expected gradient-ready order (reverse registration
+    order), with a trainable flag. Frozen parameters are not bucketed: they are neither reduced
+    nor updated."""
+    named = list(model.named_parameters())  # shared parameters appear once
+    trainable, _ = _split_trainable(named)
+    return [(b, True) for b in fill_buckets(trainable[::-1], bucket_bytes)]
 
 
 def _has_params(m: nn.Module) -> bool:

@@ -22,6 +22,7 @@ from shardwise.zero.flat_param import Dtypes, FlatParam
 from shardwise.zero.reducer import GradReducer
 from shardwise.zero.stage import ZeroStage
 from shardwise.zero.step import sharded_step, zero_grads
+from shardwise.zero.units import fill_buckets
 
 
 class ZeroOptimizer:
@@ -62,7 +63,9 @@ class ZeroOptimizer:
             raise ValueError("the optimizer holds no trainable parameters")
         zstage = ZeroStage.of(stage)
         self.flats = []
-        for named in _buckets(params, bucket_bytes):
+        # reverse order: roughly the order gradients become ready
+        ordered = [(f"param{i}", params[i]) for i in reversed(range(len(params)))]
+        for named in fill_buckets(ordered, bucket_bytes):
             f = FlatParam(named, self.group, zstage, Dtypes())
             f.broadcast_from(self.group.ranks[0])
             f.finish_init()
@@ -96,20 +99,6 @@ class ZeroOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state."""
         return self.optimizer.state_dict()
-
-
-def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[tuple[str, nn.Parameter]]]:
-    out: list[list[tuple[str, nn.Parameter]]] = [[]]
-    size = 0
-    for i in reversed(range(len(params))):
-        p = params[i]
-        nbytes = p.numel() * p.element_size()
-        if out[-1] and size + nbytes > bucket_bytes:
-            out.append([])
-            size = 0
-        out[-1].append((f"param{i}", p))
-        size += nbytes
-    return out
 
 
 def zero_wrap(
