@@ -71,7 +71,7 @@ class Corpus:
 
 
 def _stdlib_files(root: Path) -> list[Path]:
-    files = []
+    files: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_SKIP_DIRS)
         files.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
@@ -79,7 +79,7 @@ def _stdlib_files(root: Path) -> list[Path]:
 
 
 def _tree_files(root: Path) -> list[Path]:
-    files = []
+    files: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root, onerror=_raise_walk_error):
         # Hidden entries (.git, .cache, ...) are tooling, not text.
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))

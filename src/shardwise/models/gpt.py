@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +55,7 @@ class GPTConfig:
         return self.d_model // self.n_head
 
     @classmethod
-    def named(cls, name: str, **overrides: object) -> GPTConfig:
+    def named(cls, name: str, **overrides: Any) -> GPTConfig:
         """Return the preset ``name`` from ``MODEL_SIZES`` with ``overrides`` applied.
 
         Raises ``ValueError`` listing the preset names when ``name`` is unknown.

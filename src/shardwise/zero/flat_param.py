@@ -242,8 +242,9 @@ class FlatParam:
         """The reduced gradients of the optimizer's range, at the master dtype and on the
         master's device (a view when no conversion is needed)."""
         if self.grad_host is not None:  # offload: copied to host when its reduction finished
-            src, self.grad_host = self.grad_host, None
-            return src.to(dtype=self.master.dtype)
+            host, self.grad_host = self.grad_host, None
+            return host.to(dtype=self.master.dtype)
+        src: torch.Tensor | None
         if self.stage.shard_grads:
             src = self.grad_shard
             if src is None:  # no backward reached this buffer: zero gradients

@@ -60,7 +60,7 @@ def check_shardable(opt_class: type, allow_untested: bool) -> None:
 def _construct(
     cls: type, groups: list[dict[str, Any]], defaults: dict[str, Any]
 ) -> torch.optim.Optimizer:
-    accepted = inspect.signature(cls.__init__).parameters
+    accepted = inspect.signature(cls).parameters
     kwargs = {k: v for k, v in defaults.items() if k in accepted}
     return cls(groups, **kwargs)
 

@@ -85,6 +85,7 @@ class GradReducer:
             f.grad_full = torch.empty(f.padded, dtype=f.dtypes.param, device=f.device)
             f.grad_full[f.numel :].zero_()  # padding
             self._fresh[i] = True
+        assert f.grad_full is not None
         view = f.grad_full[slot.offset : slot.end].view(slot.shape)
         if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
             # the grad was not written into our buffer: fold it in (the first one of a fresh
