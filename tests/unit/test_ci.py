@@ -58,7 +58,7 @@ def test_dev_extra_and_tool_config() -> None:
     assert exempt == {
         "src/shardwise/comm/**",
         "src/shardwise/dist.py",
-        "src/shardwise/cli/launch.py",
+        "src/shardwise/cli/run_rendezvous.py",
         "src/shardwise/testing.py",
         "tests/**",
         "benchmarks/**",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 LINK_ENV = "SHARDWISE_EMULATE_LINK"
@@ -81,7 +82,7 @@ def parse_nodes(spec: str, world_size: int) -> tuple[int, ...]:
     return nodes
 
 
-def env_nodes(world_size: int, env: dict[str, str] | None = None) -> tuple[int, ...] | None:
+def env_nodes(world_size: int, env: Mapping[str, str] | None = None) -> tuple[int, ...] | None:
     """The node of every global rank from the environment, or None when it does not say.
 
     ``SHARDWISE_EMULATE_NODES`` first; else torchrun's node-major layout when ``GROUP_RANK`` and
