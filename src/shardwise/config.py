@@ -61,7 +61,9 @@ class Config:
     wrap_policy: list[str] | None = None
     """Stage 3: module class names that form units (None: each direct child with parameters)."""
     seed: int = 0
-    """Seed for torch, numpy and python RNGs (each rank gets the same seed)."""
+    """Seed of the run's RNGs: ``shardwise train`` seeds python, numpy and torch with it
+    (``shardwise.seed_all``) and a resumed checkpoint at another world size reseeds from it; the
+    engine itself never seeds."""
     precision: str = "fp32"
     """Compute dtype of parameters and activations: fp32, bf16 or fp16."""
     reduce_dtype: str | None = None
