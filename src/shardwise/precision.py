@@ -165,11 +165,12 @@ def _check_scaler_args(
 class DynamicLossScaler:
     """Loss scale for fp16 training that backs off on overflow and grows after clean steps.
 
-    Per step: ``scale_loss(loss).backward()``; compute `local_found_inf` over the gradients and
-    reduce it across ranks with MAX; ``unscale_`` the gradients; if ``update(found_inf)`` returns
-    True, skip the optimizer step. On overflow the scale is multiplied by ``backoff_factor`` (not
-    below ``min_scale``); after ``growth_interval`` consecutive clean steps it is multiplied by
-    ``growth_factor``. When disabled the scale is 1.0 and every method is a no-op.
+    Per step: ``scale_loss(loss).backward()``; agree across ranks whether any gradient overflowed
+    (``zero.step`` reduces the squared norm); divide the gradients by ``scale``; if
+    ``update(found_inf)`` returns True, skip the optimizer step. On overflow the scale is
+    multiplied by ``backoff_factor`` (not below ``min_scale``); after ``growth_interval``
+    consecutive clean steps it is multiplied by ``growth_factor``. When disabled the scale is 1.0
+    and every method is a no-op.
 
     Args:
         init_scale: starting scale.

@@ -256,12 +256,14 @@ class GPT(nn.Module):
         ``F.cross_entropy(logits.flatten(0, 1), targets.flatten())``."""
         from shardwise.pipeline import LayerFn, Tied
 
-        def add_positions(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        def add_positions(layer: Any, x: torch.Tensor) -> torch.Tensor:  # a LayerFn
             pos = torch.arange(x.shape[1], device=x.device)
             return layer.drop(x + layer.pos_emb(pos))  # [batch, seq, d_model]
 
         def head(emb: nn.Module, h: torch.Tensor) -> torch.Tensor:
-            return F.linear(h, emb.weight)  # [batch, seq, vocab_size]
+            weight = emb.weight
+            assert isinstance(weight, torch.Tensor)
+            return F.linear(h, weight)  # [batch, seq, vocab_size]
 
         return [
             Tied("tok_emb", self.tok_emb),
