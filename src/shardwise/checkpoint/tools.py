@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from shardwise.bytesize import format_bytes
 from shardwise.checkpoint.files import dtype_from_name, save_safetensors
 from shardwise.checkpoint.integrity import read_manifest, verify
 from shardwise.checkpoint.journal import resolve
@@ -17,15 +18,6 @@ from shardwise.checkpoint.reader import CheckpointReader
 log = logging.getLogger("shardwise.checkpoint")
 
 MODEL_PREFIX = "model/"
-
-
-def _human(nbytes: int) -> str:
-    size = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.1f} {unit}" if unit != "B" else f"{nbytes} B"
-        size /= 1024
-    raise AssertionError("unreachable")
 
 
 def inspect(path: Path | str) -> str:
@@ -54,13 +46,13 @@ def inspect(path: Path | str) -> str:
         f"  world size: {manifest.world_size}",
         f"  format version: {manifest.format_version}",
         f"  tensors: {len(manifest.tensors)}",
-        f"  tensor bytes: {total} ({_human(total)})",
+        f"  tensor bytes: {total} ({format_bytes(total)})",
         f"  files: {len(manifest.files)}, "
-        f"{_human(sum(f.size for f in manifest.files.values()))} on disk",
+        f"{format_bytes(sum(f.size for f in manifest.files.values()))} on disk",
     ]
     for prefix in sorted(per_prefix):
         count, nbytes = per_prefix[prefix]
-        lines.append(f"    {prefix}/: {count} tensors, {nbytes} bytes ({_human(nbytes)})")
+        lines.append(f"    {prefix}/: {count} tensors, {nbytes} bytes ({format_bytes(nbytes)})")
     _, message = verify_cli(step_dir)
     lines.append(f"  verification: {message}")
     return "\n".join(lines)
