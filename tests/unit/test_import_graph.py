@@ -6,8 +6,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 import shardwise
 
 PACKAGE = Path(shardwise.__file__).resolve().parent
@@ -114,36 +112,12 @@ def test_the_walker_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-# The engine and the checkpoint modules that save and load it still import each other; the
-# checkpoint layer is being separated from the engine. No other module may join that cycle.
-KNOWN_CYCLE = {
-    "shardwise.engine",
-    "shardwise.checkpoint.engine_export",
-    "shardwise.checkpoint.engine_shards",
-    "shardwise.checkpoint.engine_state",
-    "shardwise.checkpoint.engine_trainer",
-}
-
-
-def _describe(graph: dict[str, set[str]], found: list[list[str]]) -> str:
-    return "import cycles:\n" + "\n".join(" -> ".join(_path_in(graph, scc)) for scc in found)
-
-
-def test_no_import_cycle_beyond_the_known_one() -> None:
-    graph = import_graph()
-    found = [scc for scc in cycles(graph) if not set(scc) <= KNOWN_CYCLE]
-    assert not found, _describe(graph, found)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine <-> checkpoint.engine_*: remove this mark (and KNOWN_CYCLE) "
-    "once the checkpoint layer no longer imports the engine",
-)
 def test_no_import_cycle() -> None:
     graph = import_graph()
     found = cycles(graph)
-    assert not found, _describe(graph, found)
+    assert not found, "import cycles:\n" + "\n".join(
+        " -> ".join(_path_in(graph, scc)) for scc in found
+    )
 
 
 def test_dist_is_a_leaf() -> None:
