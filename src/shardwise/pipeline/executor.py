@@ -28,14 +28,12 @@ class _GradSink(torch.autograd.Function):
     (set later in ``box``), so the output itself can be freed once it has been sent."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, out: torch.Tensor, box: list[torch.Tensor]
-    ) -> torch.Tensor:
+    def forward(ctx: Any, out: torch.Tensor, box: list[torch.Tensor]) -> torch.Tensor:
         ctx.box = box
         return out.new_zeros(())
 
     @staticmethod
-    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:
         return ctx.box[0], None
 
 
