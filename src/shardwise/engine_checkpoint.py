@@ -294,8 +294,8 @@ def resume_engine(
     outcome = objects.broadcast_object(outcome, src=engine.group.ranks[0], group=engine.group)
     if isinstance(outcome, str) or outcome is None:
         raise CheckpointError(f"searching for a checkpoint to resume from failed: {outcome}", root)
-    found, skipped = outcome
-    if found is None:
+    found_name, skipped = outcome
+    if found_name is None:
         log.log(
             logging.WARNING if skipped else logging.INFO,
             "rank %d: no %scheckpoint in %s: starting fresh",
@@ -310,9 +310,9 @@ def resume_engine(
             "newest one that verifies",
             len(skipped),
             [Path(p).name for p, _ in skipped],
-            found,
+            found_name,
         )
-    return load_engine(engine, found, sampler=sampler, verify=False)
+    return load_engine(engine, found_name, sampler=sampler, verify=False)
 
 
 class EngineCheckpoints:
