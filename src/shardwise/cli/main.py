@@ -87,8 +87,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "run":
-        run_parser = parser._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr,index]
-        own, script = split_script_args(argv[1:], run_parser)
+        launcher_options = argparse.ArgumentParser(add_help=False)
+        add_launch_args(launcher_options)
+        own, script = split_script_args(argv[1:], launcher_options)
         args = parser.parse_args(["run", *own])
         if script:
             args.script, args.script_args = script[0], script[1:]
