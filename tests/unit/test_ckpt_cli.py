@@ -96,3 +96,18 @@ def test_verify_passes_then_fails_in_one_line(checkpoint, tmp_path):
     export = _cli("export", str(damaged), str(tmp_path / "x.safetensors"))
     assert export.returncode == 1 and shard.name in export.stderr
     assert not Path(tmp_path / "x.safetensors").exists()
+
+
+def test_export_into_a_directory_and_into_a_missing_one(checkpoint, tmp_path):
+    root, state = checkpoint
+    out_dir = tmp_path / "some_dir"
+    out_dir.mkdir()
+    done = _cli("export", str(root), f"{out_dir}/")
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out_dir.iterdir()) == ["model.safetensors"]
+    assert sorted(load_file(str(out_dir / "model.safetensors"))) == sorted(state)
+    assert not list(tmp_path.glob("*.tmp"))
+    missing = _cli("export", str(root), str(tmp_path / "nowhere" / "m.safetensors"))
+    lines = missing.stderr.strip().splitlines()
+    assert missing.returncode == 2 and len(lines) == 1 and "nowhere" in lines[0], lines
+    assert not (tmp_path / "nowhere").exists()

@@ -2,7 +2,7 @@
 
     shardwise checkpoint inspect PATH              # summary, engine settings, verification
     shardwise checkpoint verify PATH               # exit 0 when intact, 1 (one line) when not
-    shardwise checkpoint export PATH OUT.safetensors
+    shardwise checkpoint export PATH OUT.safetensors | OUT_DIR/
     shardwise checkpoint retire ROOT STEP [--delete]   # set a step aside (or delete it)
 
 PATH is a checkpoint root (its latest committed step) or a ``step-N`` directory. ``inspect``
@@ -12,6 +12,7 @@ exits 1 when the checkpoint is missing, unreadable or does not verify.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -41,13 +42,28 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _export_target(out: str) -> Path:
+    """The file ``export`` writes: ``out`` itself, or ``out/model.safetensors`` for a directory
+    (an existing one, or a name ending in a path separator)."""
+    target = Path(out)
+    if target.is_dir() or out.endswith(("/", os.sep)):
+        target = target / "model.safetensors"
+    return target
+
+
 def _export(args: argparse.Namespace) -> int:
+    target = _export_target(args.out)
+    if not target.parent.is_dir():
+        print(
+            f"error: {target.parent} does not exist; create it or export elsewhere", file=sys.stderr
+        )
+        return 2
     try:
-        names = export_model_state(args.path, args.out)
+        names = export_model_state(args.path, target)
     except (CheckpointError, ValueError) as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
-    print(f"exported {len(names)} tensors (fp32 model state, tied aliases included) to {args.out}")
+    print(f"exported {len(names)} tensors (fp32 model state, tied aliases included) to {target}")
     return 0
 
 
@@ -87,7 +103,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "file that loads into the plain model",
     )
     c.add_argument("path", type=Path)
-    c.add_argument("out", type=Path, help="output file, e.g. model.safetensors")
+    c.add_argument(
+        "out",
+        help="output file (e.g. model.safetensors) or a directory to write model.safetensors in",
+    )
     c.set_defaults(func=_export)
     c = cmds.add_parser(
         "retire",
