@@ -239,11 +239,15 @@ class Engine:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsharded model state keyed by the original names, parameters at master
-        precision. Communicates (stages 1-3): an all_gather per flat buffer."""
+        precision: parameters split by parallel layers (tensor parallelism) are gathered whole,
+        vocabulary padding cut, so it loads into the plain model. Communicates: see
+        ``param_access.full_state_dict`` (an all_gather per flat buffer at stages 1-3, one
+        per split parameter over its split group)."""
         return param_access.full_state_dict(self.module, self.flats)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a full model state (as ``state_dict`` returns); communicates nothing."""
+        """Load a full model state (as ``state_dict`` returns, or the plain model's): each
+        rank keeps its piece of every split parameter; communicates nothing."""
         param_access.load_full_state_dict(self.module, self._where, state, self.device)
 
     def memory(self) -> dict[str, int]:

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardwise.comm import ops
+from shardwise.placement import gather_full, placement_of, shard_of_full
 from shardwise.zero.flat_param import FlatParam, ParamState
 from shardwise.zero.partition import ParamSlot
 
@@ -133,16 +134,27 @@ def _write_back(chosen: list[FlatParam], before: list[torch.Tensor], src: int) -
 
 def full_state_dict(module: nn.Module, flats: list[FlatParam]) -> dict[str, torch.Tensor]:
     """``module``'s full state keyed by its own names, parameters at master precision (copies).
-    Communicates (optimizer sharded): an all_gather per flat buffer."""
+    A parameter split by a parallel layer (``placement.mark_sharded``, e.g. over tp) is
+    gathered whole, padding cut: the state of the model before it was split.
+
+    Communicates (optimizer sharded): an all_gather per flat buffer; then one all_gather per
+    split parameter and split group (each tied parameter once), in state-dict order."""
     values: dict[int, torch.Tensor] = {}
     for f in flats:
         full = f.full_master()
         for slot, p in zip(f.slots, f.params):
             values[id(p)] = full[slot.offset : slot.end].view(slot.shape).clone()
     out = {}
+    whole: dict[int, torch.Tensor] = {}
     for name, t in module.state_dict(keep_vars=True).items():
         v = values.get(id(t))
-        out[name] = v if v is not None else t.detach().clone()
+        v = v if v is not None else t.detach().clone()
+        where = placement_of(t)
+        if where.shards:
+            if id(t) not in whole:
+                whole[id(t)] = gather_full(v, where)
+            v = whole[id(t)]
+        out[name] = v
     return out
 
 
@@ -153,7 +165,8 @@ def load_full_state_dict(
     device: torch.device,
 ) -> None:
     """Write a full state (as ``full_state_dict`` returns) into every copy this rank keeps;
-    ``where`` maps a parameter's id to its flat buffer and slot. Communicates nothing."""
+    ``where`` maps a parameter's id to its flat buffer and slot. A split parameter keeps this
+    rank's piece of the whole tensor. Communicates nothing."""
     own = module.state_dict(keep_vars=True)
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
@@ -163,13 +176,17 @@ def load_full_state_dict(
             f"unexpected {unexpected[:5]}"
         )
     for name, t in own.items():
-        value = state[name]
-        if tuple(value.shape) != tuple(t.shape):
-            raise ValueError(
-                f"state dict entry {name} has shape {tuple(value.shape)}, the "
-                f"model's is {tuple(t.shape)}"
-            )
         found = where.get(id(t))
+        local = found[1].shape if found is not None else tuple(t.shape)
+        split = placement_of(t)
+        value = state[name]
+        whole = split.full_shape(local)
+        if tuple(value.shape) != whole:
+            raise ValueError(
+                f"state dict entry {name} has shape {tuple(value.shape)}, the model's is {whole}"
+            )
+        if split.shards:
+            value = shard_of_full(value, split, local)
         if found is not None:
             found[0].load_param(found[1], value.to(device))
         else:

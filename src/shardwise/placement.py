@@ -76,6 +76,43 @@ class Placement:
         full = self.full_shape(local)
         return tuple(min(a, n) for a, n in zip(start, full))
 
+    def real_box(self, local: torch.Size | tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """``(offsets, shape)`` of this rank's piece inside the whole parameter, padding cut:
+        the shape is the local one where the piece ends past the unpadded length."""
+        offsets, full = self.offsets(local), self.full_shape(local)
+        shape = tuple(min(n, f - o) for n, o, f in zip(local, offsets, full))
+        return offsets, shape
+
+
+def gather_full(local: torch.Tensor, where: Placement) -> torch.Tensor:
+    """The whole parameter from every rank's ``local`` piece, padding cut (call on every rank
+    of every group in ``where.shards``, in the same order on each). Communicates: one
+    all_gather per shard group, innermost split first."""
+    out = local.detach()
+    for s in reversed(where.shards):
+        front = out.movedim(s.dim, 0).contiguous()
+        gathered = ops.all_gather(front, group=s.group)
+        assert isinstance(gathered, torch.Tensor)
+        out = gathered.movedim(0, s.dim)
+    for d, n in enumerate(where.full_shape(local.shape)):
+        out = out.narrow(d, 0, n)
+    return out.contiguous()
+
+
+def shard_of_full(
+    full: torch.Tensor, where: Placement, local: torch.Size | tuple[int, ...]
+) -> torch.Tensor:
+    """This rank's piece (of shape ``local``) of the whole parameter ``full``, zero where the
+    piece is padding. Raises ValueError when ``full`` does not have the whole shape."""
+    want = where.full_shape(local)
+    if tuple(full.shape) != want:
+        raise ValueError(f"expected the whole tensor of shape {want}, got {tuple(full.shape)}")
+    offsets, shape = where.real_box(local)
+    out = full.new_zeros(tuple(local))
+    index = tuple(slice(0, n) for n in shape)
+    out[index] = full[tuple(slice(o, o + n) for o, n in zip(offsets, shape))]
+    return out
+
 
 _SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 

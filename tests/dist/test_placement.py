@@ -126,11 +126,11 @@ def _check_placements(coords, fc1, fc2) -> None:
 def test_tp_split_parameter_norm_and_clipped_update_match_one_process(stage):
     ref_norms, ref_state = _reference(dp=2)
     assert min(ref_norms) > CLIP  # clipping is active on every step
-    for coords, norms, state in run_on_ranks(4, _train_task, stage, True):
+    for _, norms, state in run_on_ranks(4, _train_task, stage, True):
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
-        rows = slice(coords["tp"] * HIDDEN // 2, (coords["tp"] + 1) * HIDDEN // 2)
-        torch.testing.assert_close(state["fc1.weight"], ref_state["fc1.weight"][rows])
-        torch.testing.assert_close(state["fc1.bias"], ref_state["fc1.bias"][rows])
+        # engine.state_dict() gathers the split fc1 whole over tp
+        torch.testing.assert_close(state["fc1.weight"], ref_state["fc1.weight"])
+        torch.testing.assert_close(state["fc1.bias"], ref_state["fc1.bias"])
         torch.testing.assert_close(state["fc2.weight"], ref_state["fc2.weight"])
         torch.testing.assert_close(state["fc2.bias"], ref_state["fc2.bias"])
 

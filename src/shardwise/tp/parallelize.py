@@ -103,8 +103,8 @@ class TensorParallel:
         return state.full_state_dict(self.model, self._by_id, self.group)
 
     def gather_state_dict(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The full state dict from a tp-local one under the model's names (e.g.
-        ``engine.state_dict()``, whose tensors are this rank's tp shards at full dp size):
+        """The full state dict from a tp-local one under the model's names (e.g. copies of
+        ``model.state_dict()`` kept during training; ``engine.state_dict()`` is full already):
         every tp-sharded entry all_gathered over tp and unpadded. Call on every tp rank."""
         names = {
             n: self._by_id[id(t)]
