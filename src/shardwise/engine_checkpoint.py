@@ -11,8 +11,11 @@ tensors of ``zero.checkpoint_entries`` (fp32 masters ``model/``, element-wise op
 one rank state per rank (RNG states as tensors and JSON, never a pickle).
 
 Loading reads, on each rank, exactly the ranges its master and optimizer pieces cover now, so the
-world size, ZeRO stage and precision may all differ from the run that saved. RNG states are
-restored only at the same world size (rank r gets rank r's); otherwise every rank is re-seeded.
+world size, the (dp, tp) layout, ZeRO stage and precision may all differ from the run that saved:
+tensor-parallel pieces are saved and read as boxes of their whole, unpadded tensors. The ranks
+that save together are the engine's whole mesh (or its dp group), which must be the world. RNG
+states are restored only at the same world size (rank r gets rank r's); otherwise every rank is
+re-seeded.
 Resuming skips damaged newer checkpoints and sets them aside (``damaged-step-N``), and rebuilds a
 lost journal from the manifests. Trainer and rank state: ``engine_run_state``; full weights
 (export, ``load_pretrained``): ``engine_weights``.
@@ -40,6 +43,7 @@ from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.checkpoint.retention import prepare_resume
 from shardwise.checkpoint.writer import save_checkpoint
 from shardwise.comm import objects
+from shardwise.comm.groups import Group
 from shardwise.engine_run_state import (
     ENGINE_FORMAT,
     READABLE_ENGINE_VERSIONS,
@@ -60,6 +64,7 @@ from shardwise.zero.checkpoint_entries import (
     load_replicated,
     replicated_entries,
 )
+from shardwise.zero.param_layout import param_layouts
 
 __all__ = ["EngineCheckpoints", "load_engine", "resume_engine", "save_engine"]
 
@@ -73,13 +78,27 @@ def _me() -> int:
 # ---- saving ----
 
 
-def _check_saveable(engine: CheckpointableEngine) -> None:
-    world = sw_dist.world_size()
-    if tuple(engine.group.ranks) != tuple(range(world)):
+def save_group(engine: CheckpointableEngine) -> Group:
+    """The ranks that save and load a checkpoint together: the engine's whole mesh (dp x tp),
+    or its data-parallel group. Raises ValueError unless that is the world in rank order, or
+    for a pipeline-parallel mesh (each stage holds other parameters)."""
+    mesh = engine.mesh
+    if mesh is not None and mesh.pp_size > 1:
         raise ValueError(
-            f"checkpoints need the engine's data-parallel group to be the whole "
-            f"world in rank order; it is {engine.group} of {world} ranks"
+            f"checkpoints of a pipeline-parallel engine ({mesh}) are not supported: save "
+            f"each stage's weights with engine.state_dict()"
         )
+    group = engine.group if mesh is None else mesh.group("pp", "dp", "tp")
+    world = sw_dist.world_size()
+    if tuple(group.ranks) != tuple(range(world)):
+        raise ValueError(
+            f"checkpoints need the engine's mesh or data-parallel group to be the whole "
+            f"world in rank order; it is {group} of {world} ranks"
+        )
+    return group
+
+
+def _check_saveable(engine: CheckpointableEngine) -> None:
     accum = engine.config.gradient_accumulation_steps
     if engine.micro_step % accum:
         raise ValueError(
@@ -133,11 +152,19 @@ def save_engine(
     Communicates: one all_gather_object of scalar optimizer states over the engine's group, then
     the collectives of ``save_checkpoint`` (from the writer's thread when async).
     """
+    group = save_group(engine)
     _check_saveable(engine)
     names = ModelNames.of(engine.module)
-    entries, local = flat_entries(engine.flats, engine.optimizer, names)
+    layouts = param_layouts(engine.module, engine.placement, engine.group)
+    entries, local = flat_entries(engine.flats, engine.optimizer, names, layouts)
     entries += replicated_entries(
-        engine.module, engine.flats, names, engine.group.rank, engine.group.size
+        engine.module,
+        engine.flats,
+        names,
+        engine.group.rank,
+        engine.group.size,
+        layouts,
+        buffers=group.rank == 0,
     )
     state = trainer_state(engine, names, _gather_scalars(engine, local), sampler, extra)
     step = engine.global_step
@@ -156,7 +183,7 @@ def save_engine(
         state,
         rank_state(),
         keep_last=engine.config.keep_last,
-        group=engine.group,
+        group=group,
         verify_writes=verify_writes,
     )
 
@@ -168,17 +195,18 @@ def _verify_together(step_dir: Path, engine: CheckpointableEngine) -> None:
     """Check the commit, the manifest and every file's sha256, each rank reading a share of the
     files; every rank raises the first problem found. Communicates: one all_gather_object."""
     problem: tuple[str, str | None] | None = None
+    group = save_group(engine)
     try:
         recorded = committed_manifest_sha256(step_dir)
         manifest, sha = read_manifest(step_dir)
         check_manifest_sha256(step_dir, sha, recorded)
         files = sorted(manifest.files)
-        for name in files[engine.group.rank :: engine.group.size]:
+        for name in files[group.rank :: group.size]:
             record = manifest.files[name]
             check_file(step_dir, name, record.size, record.sha256)
     except CheckpointError as exc:
         problem = (exc.problem, None if exc.path is None else str(exc.path))
-    found = [p for p in objects.all_gather_object(problem, group=engine.group) if p is not None]
+    found = [p for p in objects.all_gather_object(problem, group=group) if p is not None]
     if found:
         raise CheckpointError(*found[0])
 
@@ -237,14 +265,14 @@ def load_engine(
     if verify:
         _verify_together(step_dir, engine)
     names = ModelNames.of(engine.module)
+    layouts = param_layouts(engine.module, engine.placement, engine.group)
     with CheckpointReader(step_dir, verify=False) as reader:
         state = reader.trainer_state
         _check_format(state, engine, step_dir)
-        check_model_matches(reader, engine.module, names)
-        load_flats(
-            engine.flats, engine.optimizer, reader, names, state["optimizer"]["scalar_states"]
-        )
-        load_replicated(engine.module, engine.flats, reader, names)
+        check_model_matches(reader, engine.module, names, layouts)
+        scalars = state["optimizer"]["scalar_states"]
+        load_flats(engine.flats, engine.optimizer, reader, names, scalars, layouts)
+        load_replicated(engine.module, engine.flats, reader, names, layouts)
         handles = [f.publish_master() for f in engine.flats]
         for h in handles:
             if h is not None:
@@ -253,7 +281,7 @@ def load_engine(
             f.release()
         engine.zero_grad()
         restore_trainer(engine, state, sampler)
-        restore_rng(engine, reader)
+        restore_rng(engine, reader, save_group(engine))
     log.info(
         "rank %d: loaded step %d from %s (saved by %d ranks at stage %d, %s; now %d ranks "
         "at stage %d, %s)",
@@ -282,7 +310,8 @@ def resume_engine(
     Communicates: one broadcast_object, then ``load_engine``'s collectives.
     """
     outcome: tuple[str | None, list[tuple[str, str]]] | str | None = None
-    if engine.group.rank == 0:
+    group = save_group(engine)
+    if group.rank == 0:
         try:
             found, passed_over = prepare_resume(root)
             outcome = (
@@ -291,7 +320,7 @@ def resume_engine(
             )
         except Exception as exc:  # raised on every rank below
             outcome = f"{type(exc).__name__}: {exc}"
-    outcome = objects.broadcast_object(outcome, src=engine.group.ranks[0], group=engine.group)
+    outcome = objects.broadcast_object(outcome, src=group.ranks[0], group=group)
     if isinstance(outcome, str) or outcome is None:
         raise CheckpointError(f"searching for a checkpoint to resume from failed: {outcome}", root)
     found_name, skipped = outcome
@@ -304,7 +333,7 @@ def resume_engine(
             root,
         )
         return None
-    if skipped and engine.group.rank == 0:  # find_latest_valid logged each one's reason
+    if skipped and group.rank == 0:  # find_latest_valid logged each one's reason
         log.warning(
             "rank 0: resume fell back past %d damaged checkpoint(s) %s to %s, the "
             "newest one that verifies",
@@ -358,7 +387,7 @@ class EngineCheckpoints:
             if self.writer is None or self.writer.root != root:
                 self.wait()
                 self.writer = AsyncCheckpointWriter(
-                    root, keep_last=cfg.keep_last, group=self.engine.group
+                    root, keep_last=cfg.keep_last, group=save_group(self.engine)
                 )
             writer = self.writer
         out = save_engine(self.engine, root, sampler=sampler, extra=extra, async_writer=writer)

@@ -26,6 +26,8 @@ from shardwise import dist as sw_dist
 from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.comm.groups import Group
 from shardwise.config import Config
+from shardwise.mesh import Mesh
+from shardwise.placement import Placement
 from shardwise.precision import DynamicLossScaler
 from shardwise.seeding import seed_all
 from shardwise.zero.checkpoint_entries import ModelNames, ScalarStates
@@ -51,7 +53,11 @@ class CheckpointableEngine(Protocol):
     micro_step: int
     skipped_steps: int
 
+    mesh: Mesh | None
+
     def zero_grad(self) -> None: ...
+
+    def placement(self, param: torch.Tensor) -> Placement: ...
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
 
@@ -181,6 +187,7 @@ def trainer_state(
         "config": engine.config.to_dict(),
         "world_size": sw_dist.world_size(),
         "dp_size": engine.group.size,
+        "tp_size": 1 if engine.mesh is None else engine.mesh.tp_size,
         "zero_stage": engine.stage.stage,
         "precision": engine.config.precision,
         "loss_scaler": {"enabled": engine.scaler.enabled, **engine.scaler.state_dict()},
@@ -239,13 +246,14 @@ def restore_trainer(
         sampler.load_state_dict(state["sampler"])
 
 
-def restore_rng(engine: CheckpointableEngine, reader: CheckpointReader) -> None:
-    """At the saving world size, give this rank the RNG states rank ``group.rank`` saved;
+def restore_rng(engine: CheckpointableEngine, reader: CheckpointReader, group: Group) -> None:
+    """At the saving world size, give this rank the RNG states rank ``group.rank`` saved
+    (``group``: the ranks that load together);
     otherwise (or from a format-1 checkpoint, whose pickled states are never loaded) re-seed
     every rank with ``config.seed + global_step`` and say so."""
     version = reader.manifest.format_version
-    if reader.world_size == engine.group.size and version >= 2:
-        rs = reader.rank_state(engine.group.rank)
+    if reader.world_size == group.size and version >= 2:
+        rs = reader.rank_state(group.rank)
         random.setstate(rs["python"])
         np.random.set_state(rs["numpy"])
         torch.set_rng_state(rs["torch"])
@@ -259,7 +267,7 @@ def restore_rng(engine: CheckpointableEngine, reader: CheckpointReader) -> None:
     seed = engine.config.seed + engine.global_step
     seed_all(seed)
     why = (
-        f"checkpoint written by {reader.world_size} ranks, now {engine.group.size}"
+        f"checkpoint written by {reader.world_size} ranks, now {group.size}"
         if version >= 2
         else f"format_version {version} checkpoint (its RNG states are pickles, never loaded)"
     )

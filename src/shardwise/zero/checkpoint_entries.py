@@ -7,7 +7,10 @@ Names the manifest uses (one logical tensor each, full shape = the parameter's o
 - ``optim/<param>/<key>``: element-wise optimizer states (``exp_avg``, ``momentum_buffer``...);
 - ``buffer/<name>``: persistent buffers, floating ones in fp32.
 
-Parameters go by their first name in ``module.named_parameters()``; a tied parameter's other
+A parameter split by a parallel layer (tensor parallelism) is stored at its whole, unpadded
+shape, each rank's piece at its offsets (``param_layout``); a piece other ranks of a mesh axis
+besides dp hold copies of is written by the first of them only. Parameters go by their first
+name in ``module.named_parameters()``; a tied parameter's other
 names (state-dict aliases) are kept in the trainer state, not stored twice.
 
 Who writes what: a flat buffer's ``[shard_start, shard_stop)`` is this rank's to write. At stages
@@ -24,22 +27,26 @@ checkpoint loads at any world size. Nothing here communicates.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from shardwise.checkpoint.entries import ShardEntry, entries_of_flat_range
+from shardwise.checkpoint.entries import ShardEntry
 from shardwise.checkpoint.files import dtype_from_name, dtype_name
 from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.zero.flat_param import FlatParam
+from shardwise.zero.param_layout import ParamLayout, layout_of, range_entries, read_range
 from shardwise.zero.partition import ShardPiece, pieces_in
 
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"
 BUFFER_PREFIX = "buffer/"
+
+Layouts = Mapping[int, ParamLayout]
+"""id(parameter) -> its layout in the saved tensor (absent: not split, written whole)."""
 
 ScalarStates = dict[str, dict[str, dict[str, Any]]]
 """param name -> state key -> ``{"value": number, "dtype": name or None}``."""
@@ -131,32 +138,37 @@ def _split_state(
 
 
 def flat_entries(
-    flats: list[FlatParam], optimizer: torch.optim.Optimizer, names: ModelNames
+    flats: list[FlatParam],
+    optimizer: torch.optim.Optimizer,
+    names: ModelNames,
+    layouts: Layouts,
 ) -> tuple[list[ShardEntry], ScalarStates]:
-    """This rank's boxes of ``model/`` and ``optim/`` from the flat buffers, and the scalar
-    optimizer states of every parameter piece it holds."""
+    """This rank's boxes of ``model/`` and ``optim/`` from the flat buffers (at each
+    parameter's place in its global tensor, ``layouts``), and the scalar optimizer states of
+    every parameter piece it holds."""
     entries: list[ShardEntry] = []
     scalars: ScalarStates = {}
     for f in flats:
         slot_name, opt_of = _slot_names(f, names), _opt_of(f)
+        layout = {s.offset: layout_of(layouts, p) for s, p in zip(f.slots, f.params)}
         for pc, op in opt_of.values():
             name = slot_name[pc.slot.offset]
             _, found = _split_state(name, op, optimizer.state.get(op, {}))
             if found:
                 scalars[name] = found
         for wp in pieces_in(f.slots, f.shard_start, f.shard_stop):
-            name, shape = slot_name[wp.slot.offset], wp.slot.shape
+            name, where = slot_name[wp.slot.offset], layout[wp.slot.offset]
             lo = wp.slot.offset + wp.param_start - f.opt_start
             values = f.master[lo : lo + wp.numel].detach().float()
-            entries += entries_of_flat_range(model_key(name), shape, wp.param_start, values)
+            entries += range_entries(model_key(name), where, wp.param_start, values)
             if wp.slot.offset not in opt_of:
                 continue
             pc, op = opt_of[wp.slot.offset]
             states, _ = _split_state(name, op, optimizer.state.get(op, {}))
             a, b = wp.param_start - pc.param_start, wp.param_stop - pc.param_start
             for key, value in states.items():
-                entries += entries_of_flat_range(
-                    optim_key(name, key), shape, wp.param_start, value.reshape(-1)[a:b]
+                entries += range_entries(
+                    optim_key(name, key), where, wp.param_start, value.reshape(-1)[a:b]
                 )
     return entries, scalars
 
@@ -174,26 +186,36 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
 
 
 def replicated_entries(
-    module: nn.Module, flats: list[FlatParam], names: ModelNames, rank: int, size: int
+    module: nn.Module,
+    flats: list[FlatParam],
+    names: ModelNames,
+    rank: int,
+    size: int,
+    layouts: Layouts,
+    buffers: bool,
 ) -> list[ShardEntry]:
     """This rank's part of each parameter outside flat buffers (an even flat split over the
-    ``size`` ranks) and, on rank 0, every buffer whole."""
+    ``size`` ranks) and, with ``buffers`` (one rank of the save), every buffer whole."""
     entries = []
     for name, p in outside_params(module, flats):
         lo, hi = even_range(p.numel(), size, rank)
         flat = _fp32(p.detach().reshape(-1)[lo:hi])
-        entries += entries_of_flat_range(model_key(name), tuple(p.shape), lo, flat)
-    if rank == 0:
+        entries += range_entries(model_key(name), layout_of(layouts, p), lo, flat)
+    if buffers:
         for name, b in names.buffers.items():
             whole = _fp32(b.detach())
             entries.append(ShardEntry(buffer_key(name), tuple(b.shape), (0,) * b.dim(), whole))
     return entries
 
 
-def check_model_matches(reader: CheckpointReader, module: nn.Module, names: ModelNames) -> None:
-    """Every parameter and buffer is stored with its shape, and nothing else is; else
-    ValueError naming the first differences."""
-    expected = {model_key(n): tuple(p.shape) for n, p in module.named_parameters()}
+def check_model_matches(
+    reader: CheckpointReader, module: nn.Module, names: ModelNames, layouts: Layouts
+) -> None:
+    """Every parameter (at its global shape) and buffer is stored with its shape, and nothing
+    else is; else ValueError naming the first differences."""
+    expected = {
+        model_key(n): layout_of(layouts, p).global_shape for n, p in module.named_parameters()
+    }
     expected.update({buffer_key(n): tuple(b.shape) for n, b in names.buffers.items()})
     stored = {
         n: reader.global_shape(n)
@@ -241,24 +263,37 @@ def load_flats(
     reader: CheckpointReader,
     names: ModelNames,
     scalars: ScalarStates,
+    layouts: Layouts,
 ) -> None:
-    """Fill every master range and optimizer piece this rank holds from ``reader``.
+    """Fill every master range and optimizer piece this rank holds from ``reader``, reading
+    only the boxes of each parameter's global tensor that this rank's pieces cover.
 
     The parameters themselves are refreshed afterwards by ``publish_master``."""
     optim_keys, group_of = _optim_keys(reader), _group_of(optimizer)
     for f in flats:
         slot_name = _slot_names(f, names)
+        layout = {s.offset: layout_of(layouts, p) for s, p in zip(f.slots, f.params)}
         with torch.no_grad():
             for pc in pieces_in(f.slots, f.opt_start, f.opt_stop):
-                values = reader.read_range(
-                    model_key(slot_name[pc.slot.offset]), pc.param_start, pc.param_stop
+                values = read_range(
+                    reader,
+                    model_key(slot_name[pc.slot.offset]),
+                    layout[pc.slot.offset],
+                    pc.param_start,
+                    pc.param_stop,
                 )
                 f.master[pc.shard_start : pc.shard_start + pc.numel].copy_(values)
         for pc, op in zip(f.opt_pieces, f.opt_params):
             name = slot_name[pc.slot.offset]
             state: dict[str, Any] = {}
             for key in optim_keys.get(name, []):
-                values = reader.read_range(optim_key(name, key), pc.param_start, pc.param_stop)
+                values = read_range(
+                    reader,
+                    optim_key(name, key),
+                    layout[pc.slot.offset],
+                    pc.param_start,
+                    pc.param_stop,
+                )
                 dtype = op.dtype if values.is_floating_point() else values.dtype
                 state[key] = values.to(device=op.device, dtype=dtype)
             group = group_of.get(id(op), {})
@@ -271,11 +306,17 @@ def load_flats(
 
 
 def load_replicated(
-    module: nn.Module, flats: list[FlatParam], reader: CheckpointReader, names: ModelNames
+    module: nn.Module,
+    flats: list[FlatParam],
+    reader: CheckpointReader,
+    names: ModelNames,
+    layouts: Layouts,
 ) -> None:
-    """Load every parameter outside flat buffers and every buffer, whole, on every rank."""
+    """Load every parameter outside flat buffers (this rank's piece) and every buffer, whole,
+    on every rank."""
     with torch.no_grad():
         for name, p in outside_params(module, flats):
-            p.data.copy_(reader.read_full(model_key(name)).reshape(p.shape))
+            values = read_range(reader, model_key(name), layout_of(layouts, p), 0, p.numel())
+            p.data.copy_(values.reshape(p.shape))
         for name, b in names.buffers.items():
             b.data.copy_(reader.read_full(buffer_key(name)).reshape(b.shape))
