@@ -76,7 +76,9 @@ class Placement:
         full = self.full_shape(local)
         return tuple(min(a, n) for a, n in zip(start, full))
 
-    def real_box(self, local: torch.Size | tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    def real_box(
+        self, local: torch.Size | tuple[int, ...]
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """``(offsets, shape)`` of this rank's piece inside the whole parameter, padding cut:
         the shape is the local one where the piece ends past the unpadded length."""
         offsets, full = self.offsets(local), self.full_shape(local)
