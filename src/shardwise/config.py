@@ -25,6 +25,7 @@ from shardwise.precision import PRECISIONS
 
 REDUCE_DTYPES = (None, *PRECISIONS)
 RESUME = ("never", "auto")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 COUNT_MAX = 2**31 - 1
 """Upper bound of every count (steps, sizes in items): larger is a typo, not a plan."""
 
@@ -38,6 +39,8 @@ RANGES: dict[str, tuple[int, int]] = {
     "loss_scale_window": (1, COUNT_MAX),
     "checkpoint_every": (0, COUNT_MAX),
     "keep_last": (1, COUNT_MAX),
+    "pipeline_microbatches": (1, COUNT_MAX),
+    "pipeline_virtual_stages": (1, 1024),
 }
 """Allowed [low, high] of the int fields (None, where a field allows it, is not checked)."""
 
@@ -96,6 +99,12 @@ class Config:
     """Check before each collective that every rank issues the same call (slower)."""
     nonfinite_grads: str = "skip"
     """fp32/bf16, a non-finite global gradient norm: "skip" the step with a warning, or "raise"."""
+    pipeline_schedule: str = "1f1b"
+    """A PipelineModule's schedule: gpipe, 1f1b, interleaved_1f1b or zb_h1."""
+    pipeline_microbatches: int = 1
+    """A PipelineModule: micro-batches per accumulation step of ``train_batch``."""
+    pipeline_virtual_stages: int = 1
+    """A PipelineModule: stages per pp rank (more than 1 for interleaved_1f1b)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form values for the user's own scripts (not read by shardwise)."""
 
@@ -117,6 +126,7 @@ class Config:
         _choice("resume", self.resume, RESUME)
         _choice("nonfinite_grads", self.nonfinite_grads, ("skip", "raise"))
         _choice("allreduce_algorithm", self.allreduce_algorithm, ALGORITHMS)
+        _choice("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
         if self.allreduce_algorithm != "native" and self.zero_stage > 0:
             raise ValueError(
                 f"allreduce_algorithm={self.allreduce_algorithm!r} applies to zero_stage=0 "

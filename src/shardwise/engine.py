@@ -120,7 +120,11 @@ class Engine:
         if self.mesh is not None and self.mesh.pp_size > 1:
             extra = (self.mesh.group("pp"),)
         trainable = [p for p in model.parameters() if p.requires_grad]
-        return NormReduction(trainable, self.group, extra)
+        return NormReduction(trainable, self.group, extra, self._counted_elsewhere(model))
+
+    def _counted_elsewhere(self, model: nn.Module) -> list[nn.Parameter]:
+        """Parameters whose copy another rank counts in the norm (none here)."""
+        return []
 
     def _cast_inputs(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         return tuple(
@@ -365,7 +369,9 @@ def initialize(
         optimizer: a torch optimizer over ``model.parameters()`` (its class, hyperparameters
             and parameter groups are kept) or a callable ``params -> optimizer``.
         config: a ``Config`` or a dict of its keys.
-        group: a ``Group`` (data parallel over it) or a ``Mesh``.
+        group: a ``Group`` (data parallel over it) or a ``Mesh`` (required for a
+            ``shardwise.pipeline.PipelineModule``, which returns a ``PipelineEngine`` with
+            ``train_batch`` / ``eval_batch``; ZeRO 0-2, fp32).
         lr_scheduler: a callable ``optimizer -> scheduler``, stepped with the optimizer.
 
     Communicates: one all_gather of 8 bytes per rank (the structure check), broadcasts of every
@@ -377,6 +383,14 @@ def initialize(
         config = Config.from_dict(config)
     elif not isinstance(config, Config):
         raise TypeError(f"config must be a shardwise.Config or a dict, got {type(config).__name__}")
+    from shardwise.engine_pipeline import PipelineEngine, check_pipeline_config
+    from shardwise.pipeline.stage import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        check_pipeline_config(model, config, group)  # before anything changes the model
     if config.activation_checkpointing:
         apply_activation_checkpointing(model, config.activation_checkpointing)
+    if isinstance(model, PipelineModule):
+        assert isinstance(group, Mesh)
+        return PipelineEngine(model, optimizer, config, group, lr_scheduler)
     return Engine(model, optimizer, config, group=group, lr_scheduler=lr_scheduler)

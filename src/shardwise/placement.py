@@ -172,11 +172,16 @@ class NormReduction:
     a group is summed over it; a parameter not split over it holds the same values on each of
     its ranks, so only the group's first rank counts it (no division: the sum stays exact and
     every rank ends with the same bits). ``extra``: groups that split every parameter (the pp
-    axis: each stage holds its own layers).
+    axis: each stage holds its own layers). ``counted_elsewhere``: parameters whose copy
+    another rank counts (a tied weight on every pipeline stage but its first holder).
     """
 
     def __init__(
-        self, params: Sequence[torch.Tensor], dp: Group, extra: tuple[Group, ...] = ()
+        self,
+        params: Sequence[torch.Tensor],
+        dp: Group,
+        extra: tuple[Group, ...] = (),
+        counted_elsewhere: Sequence[torch.Tensor] = (),
     ) -> None:
         groups: list[Group] = list(extra)
         for p in params:
@@ -186,7 +191,8 @@ class NormReduction:
         for g in groups:
             _check_orthogonal(g, dp)
         self.groups = tuple(groups)
-        self._skipped: set[int] = set()  # ids of parameters another rank of some group counts
+        # ids of parameters another rank counts (of some group, or a copy another rank holds)
+        self._skipped: set[int] = {id(p) for p in counted_elsewhere}
         for p in params:
             where = placement_of(p)
             for g in groups:

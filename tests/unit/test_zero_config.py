@@ -32,6 +32,9 @@ def test_config_files_and_dump(tmp_path):
         ({"gradent_clipping": 1.0}, "did you mean 'gradient_clipping'"),
         ({"resume": "auto"}, "needs checkpoint_dir"),
         ({"wrap_policy": "Block"}, "must be a list of module class names"),
+        ({"pipeline_schedule": "1F1B"}, r"pipeline_schedule must be one of \['gpipe', '1f1b'"),
+        ({"pipeline_microbatches": 0}, "pipeline_microbatches must be an int >= 1"),
+        ({"pipeline_virtual_stages": 0}, r"pipeline_virtual_stages must be an int in 1\.\.1024"),
     ],
 )
 def test_config_errors_name_the_key(values, message):
@@ -69,3 +72,10 @@ def test_stage_policy():
     assert not ZeroStage.of(3).gather_after_step
     with pytest.raises(ValueError, match="zero_stage must be one of"):
         ZeroStage.of(7)
+
+
+def test_config_pipeline_schedules_are_the_library_s():
+    from shardwise.config import PIPELINE_SCHEDULES
+    from shardwise.pipeline import SCHEDULES
+
+    assert PIPELINE_SCHEDULES == SCHEDULES

@@ -208,15 +208,31 @@ class PipelineModule(nn.Module):
                 for p in self.tied[key].parameters():
                     ops.broadcast(p.data, src=g.ranks[0], group=g)
 
-    def reduce_tied_grads(self) -> None:
-        """Sum each tied module's gradients over its holders (one all_reduce per key)."""
+    def reduce_tied_grads(
+        self, grad_of: Callable[[nn.Parameter], torch.Tensor] | None = None
+    ) -> None:
+        """Sum each tied module's gradients over its holders (one all_reduce per key), in
+        place in ``.grad`` or, with ``grad_of``, in the tensor it returns for a parameter."""
         for key, g in self._tied_groups.items():
             grads = []
             for p in self.tied[key].parameters():
+                if grad_of is not None:
+                    grads.append(grad_of(p))
+                    continue
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 grads.append(p.grad)
             ops.all_reduce_coalesced(grads, op="sum", group=g)
+
+    def tied_copies(self) -> list[nn.Parameter]:
+        """Tied parameters whose saved copy is on another pp rank (this rank is a holder but
+        not the first): count them once, e.g. in the gradient norm."""
+        return [
+            p
+            for key in self._tied_groups
+            if self.tied_holders(key)[0] != self.pp_rank
+            for p in self.tied[key].parameters()
+        ]
 
     def forward_stage(self, stage: int, x: torch.Tensor) -> torch.Tensor:
         """Run ``x`` through the layers of ``stage`` (one of this rank's)."""

@@ -101,6 +101,21 @@ class GradReducer:
         if self.reduce_now:
             self._launch_ready()
 
+    def full_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """``p``'s gradient accumulated so far in this pass, unreduced: its view in the flat
+        gradient buffer, which the reduction will include (zeros if it got none yet). For
+        summing a gradient over copies of ``p`` on other ranks before the dp reduction."""
+        i, _, slot = self._slot[id(p)]
+        f = self.flats[i]
+        if f.grad_full is None:
+            f.grad_full = torch.zeros(f.padded, dtype=f.dtypes.param, device=f.device)
+            self._fresh[i] = True
+        view = f.grad_full[slot.offset : slot.end].view(slot.shape)
+        if self._fresh[i] and slot.name not in self._ready[i]:
+            view.zero_()
+        self._ready[i].add(slot.name)
+        return view
+
     def _launch_ready(self) -> None:
         while self._next < len(self.flats) and len(self._ready[self._next]) == len(
             self.flats[self._next].slots

@@ -1,0 +1,130 @@
+"""The engine of a pipeline-parallel model: ZeRO 0-2 over the dp axis of each stage, one
+optimizer step per ``train_batch``.
+
+mesh = shardwise.Mesh(pp=2, dp=2)
+pipe = PipelineModule(layers, loss_fn, mesh)
+engine = shardwise.initialize(pipe, torch.optim.AdamW(pipe.parameters()),
+                              shardwise.Config(zero_stage=1, pipeline_microbatches=8), group=mesh)
+loss = engine.train_batch(x, y)   # this dp rank's batch
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardwise import comm
+from shardwise.config import Config
+from shardwise.engine import Engine, SchedulerFactory
+from shardwise.mesh import Mesh
+from shardwise.pipeline.executor import PipelineExecutor
+from shardwise.pipeline.stage import PipelineModule
+from shardwise.zero import optimizer as zero_opt
+
+SUPPORTED_STAGES = (0, 1, 2)
+
+
+def check_pipeline_config(pipe: PipelineModule, config: Config, group: Any) -> None:
+    """Refuse what the pipeline engine cannot run exactly, naming what it supports."""
+    if not isinstance(group, Mesh) or group is not pipe.mesh:
+        raise ValueError(
+            "a PipelineModule trains over its own mesh: pass group=mesh, the Mesh the "
+            "PipelineModule was built on"
+        )
+    if config.zero_stage not in SUPPORTED_STAGES:
+        raise ValueError(
+            f"zero_stage={config.zero_stage} is not supported with a PipelineModule; supported: "
+            f"zero_stage 0, 1 or 2 (over the dp axis of each stage)"
+        )
+    if config.precision != "fp32":
+        raise ValueError(
+            f"precision={config.precision!r} is not supported with a PipelineModule; "
+            "supported: 'fp32'"
+        )
+    if config.pipeline_virtual_stages != pipe.virtual_stages:
+        raise ValueError(
+            f"pipeline_virtual_stages={config.pipeline_virtual_stages} but the PipelineModule "
+            f"was built with virtual_stages={pipe.virtual_stages}; make them equal"
+        )
+
+
+class PipelineEngine(Engine):
+    """An ``Engine`` over a ``PipelineModule``: ``train_batch`` and ``eval_batch`` run the
+    configured schedule (``Config.pipeline_schedule``, ``pipeline_microbatches``,
+    ``pipeline_virtual_stages``). Build it with ``shardwise.initialize(pipe, ..., group=mesh)``.
+
+    Gradients accumulate over every micro-batch of the step unreduced; then the tied weights'
+    gradients are summed over their holders (one all_reduce per tied key), then each stage's
+    gradients are reduced over dp (stage 0 all_reduce, stages 1-2 reduce_scatter) once per
+    step. The gradient norm counts a tied weight once and sums over every pp rank.
+    """
+
+    def __init__(
+        self,
+        pipe: PipelineModule,
+        optimizer: zero_opt.OptimizerLike,
+        config: Config,
+        group: Mesh,
+        lr_scheduler: SchedulerFactory | None = None,
+    ) -> None:
+        check_pipeline_config(pipe, config, group)
+        super().__init__(pipe, optimizer, config, group=group, lr_scheduler=lr_scheduler)
+        self.pipe = pipe
+        self.executor = PipelineExecutor(
+            pipe, config.pipeline_schedule, config.pipeline_microbatches
+        )
+
+    def _counted_elsewhere(self, model: torch.nn.Module) -> list[torch.nn.Parameter]:
+        """Tied weights whose first holder is another pp rank: the norm counts them once."""
+        assert isinstance(model, PipelineModule)
+        return model.tied_copies()
+
+    def _chunks(self, t: torch.Tensor, what: str) -> list[torch.Tensor]:
+        accum = self.config.gradient_accumulation_steps
+        per = accum * self.config.pipeline_microbatches
+        if t.dim() == 0 or t.shape[0] % per:
+            raise ValueError(
+                f"{what} batch of shape {tuple(t.shape)} does not split into "
+                f"gradient_accumulation_steps x pipeline_microbatches = {accum} x "
+                f"{self.config.pipeline_microbatches} equal micro-batches; use a batch size "
+                f"divisible by {per}"
+            )
+        return list(t.chunk(accum))
+
+    def _mean_over_dp(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.group.size > 1:
+            comm.all_reduce(loss, op="avg", group=self.group)
+        return loss
+
+    def train_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One optimizer step over this dp rank's batch (every pp rank of a pipeline passes the
+        same ``x`` and ``y``): ``gradient_accumulation_steps`` chunks of
+        ``pipeline_microbatches`` micro-batches each, gradients equal to the whole batch's
+        mean-loss gradient, then ``step()`` (clipping with the norm over all stages). Returns
+        the batch's mean loss averaged over dp, on every rank. Communicates: the schedule's
+        send/recv, one all_reduce per tied key, the dp reduction of every gradient buffer, the
+        step's collectives (see ``zero.step``), the loss (4 bytes over pp and over dp)."""
+        xs, ys = self._chunks(x, "input"), self._chunks(y, "target")
+        accum = len(xs)
+        self.reducer.begin(False, last=True)
+        total = torch.zeros((), dtype=torch.float32)
+        for xk, yk in zip(xs, ys):
+            total += self.executor.train_batch(xk, yk, grad_scale=1 / accum, reduce_tied=False)
+        self.pipe.reduce_tied_grads(self.reducer.full_grad)
+        self.reducer.reduce_all()
+        self.micro_step += accum
+        self.step()
+        return self._mean_over_dp(total / accum)
+
+    @torch.no_grad()
+    def eval_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward only over this dp rank's batch in ``pipeline_microbatches`` micro-batches;
+        the mean loss averaged over dp, on every rank."""
+        return self._mean_over_dp(self.executor.eval_batch(x, y))
+
+    def backward(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            "a pipeline engine runs forward and backward through its schedule: use "
+            "engine.train_batch(x, y) (or eval_batch for forward only)"
+        )

@@ -1,0 +1,152 @@
+"""The engine over a PipelineModule (ZeRO 0-2 on each stage's dp axis) on real gloo ranks,
+against the whole tied model trained in one process."""
+
+from __future__ import annotations
+
+import pipeline_cases as pc
+import pytest
+import torch
+
+import shardwise
+from shardwise.pipeline import PipelineModule
+from shardwise.testing import run_on_ranks
+
+N_BLOCKS = 6
+STEPS = 5
+CLIP = 0.5
+LR = 0.02
+BATCH = 8
+
+
+def _reference() -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """5 AdamW steps with clipping on the whole batch: losses, norms before clipping, weights."""
+    ref = pc.Reference(N_BLOCKS)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = pc.batch(BATCH, seed=step)
+        opt.zero_grad()
+        loss = ref(x, y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)))
+        opt.step()
+        losses.append(loss.item())
+    return losses, norms, {k: p.detach().clone() for k, p in ref.named_like_pipeline().items()}
+
+
+def _train(mesh: shardwise.Mesh, stage: int, schedule: str, m: int, v: int, accum: int) -> dict:
+    pipe = PipelineModule(pc.layers(N_BLOCKS), pc.lm_loss, mesh, virtual_stages=v, seed=pc.SEED)
+    cfg = shardwise.Config(
+        zero_stage=stage,
+        gradient_clipping=CLIP,
+        gradient_accumulation_steps=accum,
+        pipeline_schedule=schedule,
+        pipeline_microbatches=m,
+        pipeline_virtual_stages=v,
+    )
+    engine = shardwise.initialize(
+        pipe, torch.optim.AdamW(pipe.parameters(), lr=LR), cfg, group=mesh
+    )
+    dp, dp_size = mesh.rank("dp"), mesh.dp_size
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = pc.batch(BATCH, seed=step)
+        losses.append(engine.train_batch(x.chunk(dp_size)[dp], y.chunk(dp_size)[dp]).item())
+        norms.append(engine.grad_norm)
+    x, y = pc.batch(BATCH, seed=STEPS)
+    evaluated = engine.eval_batch(x.chunk(dp_size)[dp], y.chunk(dp_size)[dp]).item()
+    return {
+        "losses": losses,
+        "norms": norms,
+        "eval": evaluated,
+        "state": engine.state_dict(),
+        "steps": engine.global_step,
+    }
+
+
+def _task(configs: list[tuple[int, str, int, int, int]], dp: int) -> list[dict]:
+    torch.set_num_threads(1)
+    mesh = shardwise.Mesh(pp=shardwise.world_size() // dp, dp=dp)
+    return [_train(mesh, *c) for c in configs]
+
+
+def _eval_reference(ref_state: dict[str, torch.Tensor]) -> float:
+    ref = pc.Reference(N_BLOCKS)
+    with torch.no_grad():
+        for k, p in ref.named_like_pipeline().items():
+            p.copy_(ref_state[k])
+        return ref(*pc.batch(BATCH, seed=STEPS)).item()
+
+
+def _check(results: list[list[dict]], configs: list, world: int) -> None:
+    losses, norms, want = _reference()
+    assert min(norms) > CLIP  # clipping is active at every step
+    want_eval = _eval_reference(want)
+    for i, config in enumerate(configs):
+        per_rank = [results[r][i] for r in range(world)]
+        tied = []
+        for r, out in enumerate(per_rank):
+            assert out["steps"] == STEPS
+            assert out["losses"] == pytest.approx(losses, rel=1e-5), (config, r)
+            assert out["norms"] == pytest.approx(norms, rel=1e-5), (config, r)
+            assert out["eval"] == pytest.approx(want_eval, rel=1e-5), (config, r)
+            for k, v in out["state"].items():
+                torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-6, msg=f"{config} {k}")
+            if "tied.embed.weight" in out["state"]:
+                tied.append(out["state"]["tied.embed.weight"])
+        assert len(tied) >= 2 and all(torch.equal(t, tied[0]) for t in tied), config
+        held = set().union(*(out["state"] for out in per_rank))
+        assert held == set(want), config
+
+
+PP2 = [
+    (stage, schedule, 4, 1, 1) for stage in (0, 1, 2) for schedule in ("gpipe", "1f1b", "zb_h1")
+] + [
+    (1, "interleaved_1f1b", 4, 2, 1),
+    (2, "1f1b", 2, 1, 2),  # accumulation 2 x m 2
+    (0, "1f1b", 1, 1, 1),
+]
+
+
+def test_pp2_engine_matches_one_process() -> None:
+    """pp=2, ZeRO 0-2, every schedule, accumulation and m=1: 5 AdamW steps with clipping give
+    the single-process losses, norms, weights and eval loss; tied copies bitwise equal."""
+    results = run_on_ranks(2, _task, PP2, 1, timeout_s=900)
+    _check(results, PP2, 2)
+
+
+DP2_PP2 = [(stage, schedule, 2, 1, 1) for stage in (0, 2) for schedule in ("gpipe", "1f1b")] + [
+    (1, "1f1b", 2, 1, 1)
+]
+
+
+def test_dp2_pp2_engine_matches_one_process() -> None:
+    """Four ranks, each dp replica pipelining half the global batch, ZeRO 0-2 over dp."""
+    results = run_on_ranks(4, _task, DP2_PP2, 2, timeout_s=900)
+    _check(results, DP2_PP2, 4)
+
+
+def _refused_task(kwargs: dict, group_is_mesh: bool) -> str:
+    mesh = shardwise.Mesh(pp=2, dp=1)
+    pipe = PipelineModule(pc.layers(N_BLOCKS), pc.lm_loss, mesh, seed=pc.SEED)
+    opt = torch.optim.AdamW(pipe.parameters())
+    try:
+        shardwise.initialize(
+            pipe, opt, shardwise.Config(**kwargs), group=mesh if group_is_mesh else None
+        )
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+@pytest.mark.parametrize(
+    "kwargs, group_is_mesh, message",
+    [
+        ({"zero_stage": 3}, True, "supported: zero_stage 0, 1 or 2"),
+        ({"pipeline_virtual_stages": 2}, True, "virtual_stages=1"),
+        ({}, False, "pass group=mesh"),
+    ],
+)
+def test_unsupported_pipeline_configs_are_refused(kwargs, group_is_mesh, message) -> None:
+    for text in run_on_ranks(2, _refused_task, kwargs, group_is_mesh):
+        assert message in text
