@@ -38,7 +38,6 @@ from shardwise.engine_memory import memory_report
 from shardwise.mesh import Mesh
 from shardwise.placement import NormReduction, Placement, placement_of
 from shardwise.precision import DynamicLossScaler, resolve_precision
-from shardwise.recompute import apply_activation_checkpointing
 from shardwise.topology import discover
 from shardwise.zero import optimizer as zero_opt
 from shardwise.zero.flat_param import Dtypes, FlatParam
@@ -49,7 +48,7 @@ from shardwise.zero.step import sharded_step, zero_grads
 
 log = logging.getLogger("shardwise")
 
-__all__ = ["Engine", "SchedulerFactory", "initialize"]
+__all__ = ["Engine", "SchedulerFactory"]
 
 
 class Engine:
@@ -344,53 +343,3 @@ class Engine:
         on every rank right after ``initialize``. Optimizer states are untouched (empty).
         Communicates nothing."""
         self.checkpoints.load_full_state(path_or_state_dict)
-
-
-def initialize(
-    model: nn.Module,
-    optimizer: zero_opt.OptimizerLike,
-    config: Config | dict[str, Any] | None = None,
-    *,
-    group: Group | Mesh | None = None,
-    lr_scheduler: SchedulerFactory | None = None,
-) -> Engine:
-    """Wrap ``model`` for ZeRO training over ``group`` (default: the world; a Mesh: its dp axis,
-    the norm spanning its other axes too).
-
-    Parallelisms apply from outside the model in one order: pipeline split, tensor parallel
-    (both done by the caller before this, marking split parameters with
-    ``shardwise.placement.mark_sharded``), recompute (``config.activation_checkpointing``,
-    applied here by ``shardwise.recompute.apply_activation_checkpointing``), ZeRO (the Engine).
-
-    Args:
-        model: the model, on one device, identical in structure on every rank of the dp group
-            (checked; weights are taken from the group's first rank). A model is initialized
-            once.
-        optimizer: a torch optimizer over ``model.parameters()`` (its class, hyperparameters
-            and parameter groups are kept) or a callable ``params -> optimizer``.
-        config: a ``Config`` or a dict of its keys.
-        group: a ``Group`` (data parallel over it) or a ``Mesh`` (required for a
-            ``shardwise.pipeline.PipelineModule``, which returns a ``PipelineEngine`` with
-            ``train_batch`` / ``eval_batch``; ZeRO 0-2, fp32).
-        lr_scheduler: a callable ``optimizer -> scheduler``, stepped with the optimizer.
-
-    Communicates: one all_gather of 8 bytes per rank (the structure check), broadcasts of every
-    parameter and buffer from the group's first rank.
-    """
-    if config is None:
-        config = Config()
-    elif isinstance(config, dict):
-        config = Config.from_dict(config)
-    elif not isinstance(config, Config):
-        raise TypeError(f"config must be a shardwise.Config or a dict, got {type(config).__name__}")
-    from shardwise.engine_pipeline import PipelineEngine, check_pipeline_config
-    from shardwise.pipeline.stage import PipelineModule
-
-    if isinstance(model, PipelineModule):
-        check_pipeline_config(model, config, group)  # before anything changes the model
-    if config.activation_checkpointing:
-        apply_activation_checkpointing(model, config.activation_checkpointing)
-    if isinstance(model, PipelineModule):
-        assert isinstance(group, Mesh)
-        return PipelineEngine(model, optimizer, config, group, lr_scheduler)
-    return Engine(model, optimizer, config, group=group, lr_scheduler=lr_scheduler)

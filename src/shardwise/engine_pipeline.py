@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from shardwise import comm
+from shardwise.comm import ops
 from shardwise.config import Config
 from shardwise.engine import Engine, SchedulerFactory
 from shardwise.mesh import Mesh
@@ -94,7 +94,7 @@ class PipelineEngine(Engine):
 
     def _mean_over_dp(self, loss: torch.Tensor) -> torch.Tensor:
         if self.group.size > 1:
-            comm.all_reduce(loss, op="avg", group=self.group)
+            ops.all_reduce(loss, op="avg", group=self.group)
         return loss
 
     def train_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
