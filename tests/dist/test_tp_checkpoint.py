@@ -62,3 +62,18 @@ def test_a_corrupted_shard_is_refused_naming_its_file(saved):
     file = "shard-00001-of-00004.safetensors"
     for msg in run_on_ranks(4, tsc.load_damaged, saved, file, timeout_s=600):
         assert file in msg and "step-00000002" in msg, msg
+
+
+def test_one_process_checkpoint_continues_at_tp2(tmp_path, uninterrupted):
+    losses, state = uninterrupted
+    root = str(tmp_path / "c")
+    run_on_ranks(1, tsc.save_at, root, 1, 1, 0, timeout_s=600)
+    for out in run_on_ranks(2, tsc.load_and_continue, root, 1, 2, 3, 1, timeout_s=600):
+        torch.testing.assert_close(
+            torch.tensor(out["losses"]),
+            torch.tensor(losses[tsc.SAVED_AT :]),
+            rtol=tc.RTOL,
+            atol=tc.ATOL,
+        )
+        for k, v in state.items():
+            torch.testing.assert_close(out["state"][k], v, rtol=tc.RTOL, atol=tc.ATOL)

@@ -114,12 +114,12 @@ def save_at(root: str, dp: int, tp_size: int, stage: int) -> list[float]:
     return losses
 
 
-def load_and_continue(root: str, dp: int, tp_size: int, stage: int) -> dict:
-    """A fresh engine at dp x tp (other initial weights) loads the checkpoint and trains
-    ``MORE`` steps: the losses and the full state after them."""
+def load_and_continue(root: str, dp: int, tp_size: int, stage: int, saved_tp: int = 2) -> dict:
+    """A fresh engine at dp x tp (other initial weights) loads the checkpoint (saved at tp
+    ``saved_tp``) and trains ``MORE`` steps: the losses and the full state after them."""
     engine = tp_engine(dp, tp_size, stage, seed=5)
     state = engine.load(root)
-    assert engine.global_step == SAVED_AT and state["tp_size"] == 2, state["tp_size"]
+    assert engine.global_step == SAVED_AT and state["tp_size"] == saved_tp, state["tp_size"]
     data = global_batches(SAVED_AT + MORE, 2)[SAVED_AT:]
     losses = train(engine, data, dp, engine.mesh.rank("dp"))
     return {"losses": losses, "state": engine.state_dict()}
