@@ -191,11 +191,15 @@ def before_leaving(hook: Callable[[], None]) -> None:
     _BEFORE_LEAVING.append(hook)
 
 
-def leave_process_group() -> None:
-    """Run the ``before_leaving`` hooks, then destroy torch's default process group (callers
-    first make sure every rank is done)."""
+def run_before_leaving() -> None:
+    """Run the ``before_leaving`` hooks (they may still communicate on their own groups)."""
     for hook in _BEFORE_LEAVING:
         hook()
+
+
+def leave_process_group() -> None:
+    """Destroy torch's default process group and every group formed from it (callers first run
+    ``run_before_leaving`` and make sure every rank is done)."""
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -76,8 +76,10 @@ def shutdown() -> None:
     global _current
     world, _current = _current, None
     if world is not None and world.owns_pg and dist.is_initialized():
-        # Leave together: a gloo rank that tears down its pairs while a peer is still sending
-        # can abort that peer.
+        # The hooks first (a background save still talks on its own group), then leave
+        # together: a gloo rank that tears down its pairs while a peer is still sending (on any
+        # group) can abort that peer.
+        sw_dist.run_before_leaving()
         if world.world_size > 1:
             ops.barrier(group=world.group)
         sw_dist.leave_process_group()
