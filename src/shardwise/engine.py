@@ -125,6 +125,11 @@ class Engine:
         """Parameters whose copy another rank counts in the norm (none here)."""
         return []
 
+    def _overflow_group(self) -> Group | None:
+        """The group that agrees on fp16 overflow beyond the norm's reduction (none here: the
+        norm spans every rank that steps together)."""
+        return None
+
     def _cast_inputs(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         return tuple(
             a.to(self.dtypes.param) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
@@ -206,7 +211,12 @@ class Engine:
         if self.micro_step == 0 or self.micro_step % accum != 0:
             return False
         result = sharded_step(
-            self.flats, self.optimizer, self.scaler, self.config.gradient_clipping, self.norm
+            self.flats,
+            self.optimizer,
+            self.scaler,
+            self.config.gradient_clipping,
+            self.norm,
+            self._overflow_group(),
         )
         self.grad_norm = result.grad_norm
         self.zero_grad()

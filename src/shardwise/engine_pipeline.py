@@ -1,5 +1,6 @@
 """The engine of a pipeline-parallel model: ZeRO 0-2 over the dp axis of each stage, one
-optimizer step per ``train_batch``.
+optimizer step per ``train_batch``, in fp32, bf16 or fp16 (fp32 master weights; fp16 with a
+dynamic loss scale whose overflow decision every rank of the mesh agrees on).
 
 mesh = shardwise.Mesh(pp=2, dp=2)
 pipe = PipelineModule(layers, loss_fn, mesh)
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from shardwise.comm import ops
+from shardwise.comm.groups import Group
 from shardwise.config import Config
 from shardwise.engine import Engine, SchedulerFactory
 from shardwise.mesh import Mesh
@@ -37,11 +39,6 @@ def check_pipeline_config(pipe: PipelineModule, config: Config, group: Any) -> N
             f"zero_stage={config.zero_stage} is not supported with a PipelineModule; supported: "
             f"zero_stage 0, 1 or 2 (over the dp axis of each stage)"
         )
-    if config.precision != "fp32":
-        raise ValueError(
-            f"precision={config.precision!r} is not supported with a PipelineModule; "
-            "supported: 'fp32'"
-        )
     if config.pipeline_virtual_stages != pipe.virtual_stages:
         raise ValueError(
             f"pipeline_virtual_stages={config.pipeline_virtual_stages} but the PipelineModule "
@@ -58,6 +55,12 @@ class PipelineEngine(Engine):
     gradients are summed over their holders (one all_reduce per tied key), then each stage's
     gradients are reduced over dp (stage 0 all_reduce, stages 1-2 reduce_scatter) once per
     step. The gradient norm counts a tied weight once and sums over every pp rank.
+
+    In bf16 / fp16 each stage computes and sends activations and gradients in that dtype and
+    steps fp32 master weights (as ``Engine``). In fp16 the last stage's loss is multiplied by
+    the loss scale, so every gradient crossing a stage boundary carries it; whether any rank
+    overflowed is decided by one all_reduce over the whole mesh, so every stage and dp rank
+    skips the same steps and keeps the same scale.
     """
 
     def __init__(
@@ -75,6 +78,10 @@ class PipelineEngine(Engine):
             pipe, config.pipeline_schedule, config.pipeline_microbatches
         )
 
+    def _overflow_group(self) -> Group | None:
+        """Every rank of the mesh steps together: all of them agree on fp16 overflow."""
+        return self.mesh.group("pp", "dp", "tp") if self.mesh is not None else None
+
     def _counted_elsewhere(self, model: torch.nn.Module) -> list[torch.nn.Parameter]:
         """Tied weights whose first holder is another pp rank: the norm counts them once."""
         assert isinstance(model, PipelineModule)
@@ -90,6 +97,8 @@ class PipelineEngine(Engine):
                 f"{self.config.pipeline_microbatches} equal micro-batches; use a batch size "
                 f"divisible by {per}"
             )
+        if t.is_floating_point():  # floating inputs follow the compute dtype
+            t = t.to(self.dtypes.param)
         return list(t.chunk(accum))
 
     def _mean_over_dp(self, loss: torch.Tensor) -> torch.Tensor:
@@ -101,7 +110,8 @@ class PipelineEngine(Engine):
         """One optimizer step over this dp rank's batch (every pp rank of a pipeline passes the
         same ``x`` and ``y``): ``gradient_accumulation_steps`` chunks of
         ``pipeline_microbatches`` micro-batches each, gradients equal to the whole batch's
-        mean-loss gradient, then ``step()`` (clipping with the norm over all stages). Returns
+        mean-loss gradient (times the loss scale in fp16), then ``step()`` (unscaling, clipping
+        with the norm over all stages; fp16: skipped everywhere on overflow). Returns
         the batch's mean loss averaged over dp, on every rank. Communicates: the schedule's
         send/recv, one all_reduce per tied key, the dp reduction of every gradient buffer, the
         step's collectives (see ``zero.step``), the loss (4 bytes over pp and over dp)."""
@@ -109,8 +119,9 @@ class PipelineEngine(Engine):
         accum = len(xs)
         self.reducer.begin(False, last=True)
         total = torch.zeros((), dtype=torch.float32)
+        grad_scale = self.scaler.scale / accum
         for xk, yk in zip(xs, ys):
-            total += self.executor.train_batch(xk, yk, grad_scale=1 / accum, reduce_tied=False)
+            total += self.executor.train_batch(xk, yk, grad_scale=grad_scale, reduce_tied=False)
         self.pipe.reduce_tied_grads(self.reducer.full_grad)
         self.reducer.reduce_all()
         self.micro_step += accum
@@ -121,6 +132,8 @@ class PipelineEngine(Engine):
     def eval_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward only over this dp rank's batch in ``pipeline_microbatches`` micro-batches;
         the mean loss averaged over dp, on every rank."""
+        if x.is_floating_point():
+            x = x.to(self.dtypes.param)
         return self._mean_over_dp(self.executor.eval_batch(x, y))
 
     def backward(self, *args: Any, **kwargs: Any) -> None:

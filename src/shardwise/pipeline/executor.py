@@ -199,7 +199,8 @@ class PipelineExecutor:
             if last:
                 loss = self.pipe.loss_fn(out, st.y[mb])
                 st.losses.append(loss.detach())
-                anchor = loss * (st.scale / self.schedule.microbatches)
+                # in fp32: a loss scale times an fp16 loss would overflow fp16 itself
+                anchor = loss.float() * (st.scale / self.schedule.microbatches)
             elif out.requires_grad:
                 box = []
                 anchor = _GradSink.apply(out, box)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from shardwise.comm import ops
+from shardwise.comm.groups import Group
 from shardwise.placement import NormReduction
 from shardwise.precision import DynamicLossScaler
 from shardwise.zero.flat_param import FlatParam
@@ -91,22 +92,40 @@ def used_anywhere(flats: list[FlatParam]) -> list[list[bool]]:
     return out
 
 
+def overflow_anywhere(grads: list[torch.Tensor], group: Group) -> bool:
+    """Whether any rank of ``group`` holds a non-finite value in its ``grads`` (every rank
+    gets the same answer). Communicates: one all_reduce (max) of one fp32 value over
+    ``group``."""
+    bad = any(not bool(torch.isfinite(g).all()) for g in grads)
+    device = grads[0].device if grads else torch.device("cpu")
+    flag = torch.tensor([1.0 if bad else 0.0], dtype=torch.float32, device=device)
+    ops.all_reduce(flag, op="max", group=group)
+    return bool(flag[0] > 0)
+
+
 def sharded_step(
     flats: list[FlatParam],
     optimizer: torch.optim.Optimizer,
     scaler: DynamicLossScaler,
     clip: float | None,
     norm: NormReduction | None = None,
+    overflow_group: Group | None = None,
 ) -> StepResult:
     """Unscale, clip, step and publish. A non-finite gradient (inf/nan anywhere, on any rank)
     skips the step on every rank (and, with loss scaling, lowers the scale); ``grad_norm`` then
-    says inf or nan. ``norm``: how the norm sums over groups other than dp (None: dp only)."""
+    says inf or nan. ``norm``: how the norm sums over groups other than dp (None: dp only).
+    ``overflow_group``: with loss scaling, the group whose ranks must skip or step together
+    (a pipeline's whole mesh): the overflow decision is one all_reduce over it, whatever
+    parts of the gradients the norm leaves out on some rank."""
     trainable = [f for f in flats if f.trainable]
     used = used_anywhere(trainable)
     grads = [f.optimizer_grad() for f in trainable]
     scale = scaler.scale
     sumsq = global_sumsq(trainable, grads, norm)
-    if scaler.update(not math.isfinite(sumsq)) or not math.isfinite(sumsq):
+    found_inf = not math.isfinite(sumsq)
+    if overflow_group is not None and scaler.enabled:
+        found_inf = overflow_anywhere(grads, overflow_group) or found_inf
+    if scaler.update(found_inf) or found_inf:
         return StepResult(False, float("nan") if math.isnan(sumsq) else float("inf"))
     grad_norm = math.sqrt(sumsq) / scale
     coef = 1.0 / scale
