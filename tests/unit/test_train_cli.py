@@ -57,6 +57,42 @@ def test_bad_train_options_are_one_line(capsys, tmp_path, argv, expected):
     assert not run_dir.exists(), "a rejected run must not create its directory"
 
 
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--nproc-per-node", "3", "--tp", "2"], "--tp 2 does not divide the 3 ranks"),
+        (["--tp", "0"], "--tp must be an int >= 1, got 0"),
+        # tiny: n_head=2, d_model=64
+        (["--nproc-per-node", "4", "--tp", "4"], "--tp 4 does not divide the tiny model's"),
+        (["--sequence-parallel"], "--sequence-parallel splits the sequence over tp ranks"),
+        (
+            ["--tp", "2", "--sequence-parallel", "--seq-len", "33"],
+            "sequence length 33 divisible by --tp 2",
+        ),
+    ],
+)
+def test_bad_tensor_parallel_layouts_are_one_line(capsys, tmp_path, argv, expected):
+    run_dir = tmp_path / "run"
+    base = ["--model", "tiny", "--nproc-per-node", "2"]
+    line = _error_line(capsys, "train", "--run-dir", str(run_dir), *base, *argv)
+    assert expected in line
+    assert not run_dir.exists(), "a rejected run must not create its directory"
+
+
+def test_tensor_parallel_run_config_counts_dp_replicas(tmp_path):
+    run = RunConfig(
+        train=TrainOptions(model="tiny", tp=2, sequence_parallel=True),
+        engine=Config(micro_batch_size=4, gradient_accumulation_steps=3),
+        world_size=4,
+    )
+    run.write(tmp_path / "config.json")
+    back = RunConfig.read(tmp_path / "config.json")
+    assert back.train.tp == 2 and back.train.sequence_parallel
+    assert back.dp_size == 2 and back.layout() == "dp2 x tp2"
+    assert back.global_batch_size == 4 * 3 * 2  # tp peers read the same sequences
+    assert back.params_per_rank() < back.model.param_count()
+
+
 def test_resume_and_reuse_errors(capsys, tmp_path):
     line = _error_line(capsys, "train", "--resume", "--run-dir", str(tmp_path / "none"))
     assert "does not exist" in line

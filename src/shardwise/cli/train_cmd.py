@@ -48,6 +48,8 @@ TRAIN_FLAGS = (
     "log_every",
     "data",
     "max_bytes",
+    "tp",
+    "sequence_parallel",
 )
 ENGINE_FLAGS = {
     "zero": "zero_stage",
@@ -106,6 +108,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--log-every", type=int, help="steps between log lines off a terminal")
     t.add_argument("--data", help="text file or directory (default: the Python stdlib)")
     t.add_argument("--max-bytes", type=int, help="read at most this many corpus bytes")
+    par = p.add_argument_group("model parallelism")
+    par.add_argument(
+        "--tp",
+        type=int,
+        help="tensor-parallel degree: ranks splitting each layer; the rest are data parallel "
+        "(default 1)",
+    )
+    par.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        default=None,
+        help="with --tp: run norms and dropout on 1/tp of the sequence",
+    )
     r = p.add_argument_group("run directory")
     r.add_argument(
         "--run-dir",
@@ -295,6 +310,7 @@ def run_train(args: argparse.Namespace) -> int:
     _check_engine_flags(args)
     run, run_dir = _resumed_run(args) if args.resume else _new_run(args)
     if not args.resume:
+        preflight.check_layout(run)
         preflight.check_data(run)
         preflight.check_memory(run, args.nproc_per_node)
     preflight.open_run_dir(run_dir)
@@ -306,7 +322,8 @@ def run_train(args: argparse.Namespace) -> int:
             raise ValueError(f"{run_dir.root} already holds a run: pass --resume to continue it")
         preflight.write_config(run, run_dir)
         print(
-            f"shardwise train: {run.train.model} model, {run.world_size} ranks, "
+            f"shardwise train: {run.train.model} model, {run.world_size} ranks "
+            f"({run.layout()}), "
             f"ZeRO-{run.engine.zero_stage}, {run.engine.precision}, {run.train.steps} steps of "
             f"{run.tokens_per_step} tokens -> {run_dir.root}",
             flush=True,

@@ -1,6 +1,7 @@
 """What ``shardwise train`` checks in the launcher before a rank starts, so that a mistake the
-user can fix is one line and exit code 2, not a traceback from every rank: the corpus holds
-enough text, one rank's memory fits the machine, the run directory can be written."""
+user can fix is one line and exit code 2, not a traceback from every rank: the parallel layout
+fits the ranks and the model, the corpus holds enough text, one rank's memory fits the machine,
+the run directory can be written."""
 
 from __future__ import annotations
 
@@ -13,6 +14,31 @@ from shardwise.data.corpus import check_corpus_fits, load_corpus
 from shardwise.estimate import estimate_activations, estimate_model_states, format_bytes
 from shardwise.train.options import RunConfig
 from shardwise.train.rundir import RunDir
+
+
+def check_layout(run: RunConfig) -> None:
+    """Refuse a tensor-parallel layout the ranks or the GPT cannot split evenly: ``--tp`` must
+    divide the ranks, the attention heads and the width; ``--sequence-parallel`` needs
+    ``--tp`` > 1 and a sequence length divisible by it."""
+    opts, cfg = run.train, run.model
+    tp = opts.tp
+    if run.world_size % tp:
+        raise ValueError(
+            f"--tp {tp} does not divide the {run.world_size} ranks (--nproc-per-node x "
+            "--nnodes): choose a --tp that divides them"
+        )
+    if cfg.n_head % tp or cfg.d_model % tp:
+        raise ValueError(
+            f"--tp {tp} does not divide the {opts.model} model's n_head={cfg.n_head} heads and "
+            f"d_model={cfg.d_model}: choose a --tp dividing both"
+        )
+    if opts.sequence_parallel and tp == 1:
+        raise ValueError("--sequence-parallel splits the sequence over tp ranks: add --tp > 1")
+    if opts.sequence_parallel and cfg.seq_len % tp:
+        raise ValueError(
+            f"--sequence-parallel needs the sequence length {cfg.seq_len} divisible by "
+            f"--tp {tp}: change --seq-len or --tp"
+        )
 
 
 def check_data(run: RunConfig) -> None:
@@ -47,8 +73,8 @@ def check_memory(run: RunConfig, nproc_per_node: int) -> None:
         checkpointing=bool(eng.activation_checkpointing),
     )
     states = estimate_model_states(
-        cfg.param_count(),
-        run.world_size,
+        run.params_per_rank(),
+        run.dp_size,
         eng.precision,
         offload=eng.offload_optimizer,
         reduce_dtype=eng.reduce_dtype,

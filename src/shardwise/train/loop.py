@@ -19,12 +19,10 @@ import shardwise
 from shardwise.comm import World, objects, ops
 from shardwise.data import DistributedBatchSampler, load_corpus
 from shardwise.engine import Engine
-from shardwise.mesh import Mesh
-from shardwise.models.gpt import GPT
-from shardwise.seeding import seed_all
 from shardwise.train import checkpoints
 from shardwise.train.metrics import MetricsWriter, read_metrics
 from shardwise.train.options import RunConfig
+from shardwise.train.parallel import build_mesh, build_model
 from shardwise.train.progress import Progress, format_rate
 from shardwise.train.rundir import RunDir
 from shardwise.train.schedule import lr_at
@@ -66,15 +64,15 @@ class Trainer:
                 f"the run is configured for {run.world_size} ranks but "
                 f"{world.world_size} started: launch it with matching --nproc-per-node"
             )
-        self.mesh = Mesh(dp=-1, world=world)
-        self.dp = self.mesh.group("dp")  # data: each dp rank reads its own slice of a batch
+        self.mesh = build_mesh(run, world)
+        # data: each dp rank reads its own slice of a batch; its tp (and pp) peers the same
+        self.dp = self.mesh.group("dp")
         self.started = time.perf_counter()
         if resume and self.rank == 0:  # if this launch fails, no summary says the run ended
             discard_summary(run_dir.summary)
         cfg = run.model
         self.corpus = load_corpus(self.opts.data, max_bytes=self.opts.max_bytes)
-        seed_all(run.engine.seed)  # the same model on every rank
-        model = GPT(cfg)
+        model = build_model(run, self.mesh)  # the same model on every rank, tp-split
         optimizer = torch.optim.AdamW(
             param_groups(model, self.opts.weight_decay), lr=self.opts.lr, betas=(0.9, 0.95)
         )
@@ -240,7 +238,8 @@ class Trainer:
         if progress is not None:
             progress.message(
                 f"training {self.run_cfg.model.param_count() / 1e6:.2f}M params on "
-                f"{self.world.world_size} ranks, ZeRO-{self.run_cfg.engine.zero_stage}, "
+                f"{self.world.world_size} ranks ({self.run_cfg.layout()}), "
+                f"ZeRO-{self.run_cfg.engine.zero_stage}, "
                 f"{self.run_cfg.engine.precision}, {self.run_cfg.tokens_per_step} tokens/step; "
                 f"unigram baseline {unigram:.3f} nats"
             )

@@ -16,6 +16,7 @@ from typing import Any
 
 from shardwise.config import Config
 from shardwise.models.gpt import MODEL_SIZES, GPTConfig
+from shardwise.tp.estimate import gpt_params_per_rank
 
 DEFAULT_STEPS = 600
 """Optimizer steps of the default run (2-4 minutes at 2 ranks on 2 CPU cores)."""
@@ -49,6 +50,12 @@ class TrainOptions:
     """Text file or directory to train on (None: the Python standard library's sources)."""
     max_bytes: int | None = None
     """Read at most this many bytes of the corpus (None: all of it)."""
+    tp: int = 1
+    """Tensor-parallel degree: ranks splitting each layer (the mesh's tp axis)."""
+    sequence_parallel: bool = False
+    """Under tensor parallelism, run norms and dropout on 1/tp of the sequence."""
+    pp: int = 1
+    """Pipeline-parallel degree: stages the model's layers are split into (the mesh's pp axis)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -59,7 +66,7 @@ class TrainOptions:
             raise ValueError(
                 f"--model {self.model!r} is unknown: choose one of {', '.join(MODEL_SIZES)}"
             )
-        for name in ("steps", "eval_batches", "log_every"):
+        for name in ("steps", "eval_batches", "log_every", "tp", "pp"):
             _at_least(name, getattr(self, name), 1)
         _at_least("eval_every", self.eval_every, 0)
         if self.seq_len is not None:
@@ -128,20 +135,39 @@ class RunConfig:
         return self.engine.micro_batch_size
 
     @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas: the ranks over ``tp x pp``; each reads its own batches."""
+        return self.world_size // (self.train.tp * self.train.pp)
+
+    @property
     def global_batch_size(self) -> int:
-        """Sequences per optimizer step over all ranks."""
-        return self.micro_batch * self.engine.gradient_accumulation_steps * self.world_size
+        """Sequences per optimizer step over all ranks (each dp replica reads its own)."""
+        return self.micro_batch * self.engine.gradient_accumulation_steps * self.dp_size
 
     @property
     def tokens_per_step(self) -> int:
         """Training tokens per optimizer step over all ranks."""
         return self.global_batch_size * self.model.seq_len
 
+    def layout(self) -> str:
+        """The mesh in words, e.g. ``dp2 x tp2`` (axes of size 1 left out unless all are)."""
+        sizes = (("pp", self.train.pp), ("dp", self.dp_size), ("tp", self.train.tp))
+        named = [f"{axis}{size}" for axis, size in sizes if size > 1]
+        return " x ".join(named) if named else "dp1"
+
+    def params_per_rank(self) -> int:
+        """Parameter elements one rank holds before ZeRO shards them over dp: the whole model,
+        or under tensor parallelism its tp shard (``shardwise.tp.estimate``)."""
+        if self.train.tp == 1:
+            return self.model.param_count()
+        return sum(gpt_params_per_rank(self.model, self.train.tp))
+
     def derived(self) -> dict[str, Any]:
         """Values computed from the options, stored for readers of ``config.json``."""
         cfg = self.model
         return {
             "global_batch_size": self.global_batch_size,
+            "dp_size": self.dp_size,
             "tokens_per_step": self.tokens_per_step,
             "total_tokens": self.tokens_per_step * self.train.steps,
             "num_params": cfg.param_count(),

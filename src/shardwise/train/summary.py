@@ -38,8 +38,8 @@ def memory_estimate(run: RunConfig) -> dict[str, int]:
     """Estimated bytes per rank: model states for the run's ZeRO stage, and activations."""
     cfg = run.model
     est = estimate_model_states(
-        cfg.param_count(),
-        run.world_size,
+        run.params_per_rank(),
+        run.dp_size,
         run.engine.precision,
         offload=run.engine.offload_optimizer,
         reduce_dtype=run.engine.reduce_dtype,
