@@ -1,7 +1,7 @@
 """Reading and writing a model's full parameters while an engine shards them.
 
 At ZeRO stage 3 a parameter's values exist only as shards between uses: outside forward and
-backward its ``.data`` is a placeholder of its shape filled with NaN (see ``FlatParam``), and
+backward any read of its values raises (see ``zero.sharded_param``), and
 ``model.state_dict()`` raises. :func:`gathered_parameters` is the supported way in: it gathers
 the full parameters for the duration of a ``with`` block and, with ``modifier_rank``, writes
 that rank's changes back into every shard and the fp32 master copy.

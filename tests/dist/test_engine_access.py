@@ -3,6 +3,7 @@ a model given twice, ranks with different models, non-finite gradients."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -216,8 +217,23 @@ def _access_task(stage: int):
     engine = shardwise.initialize(model, _sgd(model), shardwise.Config(zero_stage=stage))
     out: dict = {}
     w = model.fc1.weight
-    out["shape"], out["sum"] = tuple(w.shape), float(w.sum())  # placeholder at stage 3
-    out["clone_shape"] = tuple(w.clone().shape)
+    out["shape"], out["numel"], out["dtype"] = tuple(w.shape), w.numel(), w.dtype
+    reads = {
+        "sum": lambda: w.sum(),
+        "clone": lambda: w.clone(),
+        "data": lambda: w.data,
+        "matmul": lambda: torch.ones(3, 4) @ w.t(),
+        "cat": lambda: torch.cat([w, w]),
+        "deepcopy": lambda: copy.deepcopy(model),
+    }
+    out["reads"] = {}
+    for what, read in reads.items():
+        try:
+            got = read()
+            out["reads"][what] = "copied" if what == "deepcopy" else tuple(got.shape)
+        except RuntimeError as e:
+            out["reads"][what] = str(e)
+    out["repr"] = repr(w)
     try:
         model.state_dict()
         out["sd_error"] = None
@@ -257,15 +273,23 @@ def _access_task(stage: int):
 def test_full_parameters_through_gathered_parameters(stage):
     ref = _net().state_dict()
     for out in run_on_ranks(2, _access_task, stage):
-        assert out["shape"] == out["clone_shape"] == (8, 4)
+        assert (out["shape"], out["numel"], out["dtype"]) == ((8, 4), 32, torch.float32)
         if stage == 3:
-            assert out["sum"] != out["sum"]  # NaN: the values live in shards
+            # the values live in shards: every read of them raises, naming the parameter
+            for what, got in out["reads"].items():
+                assert isinstance(got, str), what
+                assert got.startswith("parameter 'fc1.weight' is sharded (ZeRO stage 3)"), got
+                assert "engine.gathered_parameters()" in got
+            assert "(reading .data needs them)" in out["reads"]["data"]
+            assert "(sum() needs them)" in out["reads"]["sum"]
+            assert "ShardedParameter('fc1.weight', shape=(8, 4)" in out["repr"]
             assert "sharded again inside gathered_parameters" in out["forward_inside"]
             for key in ("sd_error", "sub_sd_error"):
                 assert "sharded (ZeRO stage 3)" in out[key]
                 assert "engine.gathered_parameters()" in out[key]
         else:
             assert out["sd_error"] is None
+            assert out["reads"]["clone"] == (8, 4) and out["reads"]["deepcopy"] == "copied"
         for k, v in ref.items():
             assert torch.equal(out["gathered"][k], v), k
         for k, v in ref.items():

@@ -34,6 +34,7 @@ from shardwise.zero.partition import (
     pieces_in,
     shard_range,
 )
+from shardwise.zero.sharded_param import make_sharded
 from shardwise.zero.stage import ZeroStage
 
 
@@ -105,8 +106,8 @@ class FlatParam:
                     self._init_master[slot.offset : slot.end].copy_(src)
         self._attach_views()
         # What a released parameter's ``.data`` shows: its shape, NaN values (zero for integer
-        # dtypes), backed by one element, so that touching a sharded parameter outside forward
-        # reads a visibly wrong value instead of freed memory.
+        # dtypes), backed by one element, never freed memory; reading it raises first (a
+        # stage-3 parameter is a ``ShardedParameter``), the NaN is a second line of defence.
         fill = float("nan") if dtypes.param.is_floating_point else 0
         self._placeholder = torch.full((), fill, dtype=dtypes.param, device=self.device)
         self.state = ParamState.FULL
@@ -144,6 +145,8 @@ class FlatParam:
             self._transition(ParamState.SHARDED)
             _resize_storage(self.full, 0)
             self._detach_views()
+            for name, p in zip(self.names, self.params):
+                make_sharded(p, name, self)
         base = self.shard if self.stage.shard_optimizer else self.full
         host = host or self.device
         if self._init_master is not None:
@@ -169,6 +172,11 @@ class FlatParam:
                 p.grad = self.grad_full[slot.offset : slot.end].view(slot.shape)
 
     # ---- parameter lifecycle (stage 3) ----
+
+    @property
+    def holds_values(self) -> bool:
+        """True while ``full`` holds every parameter (each parameter's ``.data`` is its view)."""
+        return self.state is ParamState.FULL
 
     def _transition(self, new: ParamState) -> None:
         assert new in _LEGAL[self.state], f"illegal {self.state} -> {new}"

@@ -18,6 +18,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from shardwise.zero.flat_param import FlatParam
+from shardwise.zero.sharded_param import call_args
 
 
 class Schedule(Protocol):
@@ -53,12 +54,8 @@ class ExternalUses(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         if getattr(func, "__name__", "") != "__get__":  # attribute reads touch no data
-            for a in (*args, *kwargs.values()):
-                if isinstance(a, (list, tuple)):
-                    for b in a:
-                        self._check(b)
-                else:
-                    self._check(a)
+            for a in call_args(args, kwargs):
+                self._check(a)
         return func(*args, **kwargs)
 
     def _check(self, value: Any) -> None:
