@@ -73,6 +73,32 @@ CASES: dict[str, tuple[str, str]] = {
         "6",
         "async save never waited for",
     ),
+    "test_launcher_faults::test_an_unwaited_save_that_outlasts_the_exit_wait_is_abandoned": (
+        "6",
+        "async save outlasting the exit wait: abandoned",
+    ),
+    "test_ckpt_rundir::test_moved_and_copied_run_dirs_use_only_their_own_checkpoints": (
+        "7",
+        "moved and copied run dirs",
+    ),
+    "test_ckpt_resume::test_damaged_step_is_set_aside_and_training_continues_past_it": (
+        "8",
+        "damaged newest step set aside, training goes on",
+    ),
+    "test_ckpt_rundir::test_lost_journal_crashed_resume_metrics_cut_and_summary": (
+        "9",
+        "lost journal, crashed resume, metrics cut, summary",
+    ),
+    "test_ckpt_safety": ("10,11", "no unpickling, names inside the checkpoint, retire, journal"),
+    "test_engine_access::test_full_parameters_through_gathered_parameters": (
+        "12",
+        "reading ZeRO-3 parameters; initialize twice",
+    ),
+    "test_engine_access::test_ranks_with_different_models_are_refused": (
+        "13",
+        "ranks building different models",
+    ),
+    "test_engine_access::test_nonfinite_gradients": ("15", "non-finite gradients skip or raise"),
     "test_config_types": ("14", "Config types and ranges, Python and files"),
     "test_cli_errors": ("16,17", "bad corpora, config, run dir, sizes"),
     "test_launcher_faults::test_script_options_reach_the_script": (
@@ -88,6 +114,13 @@ FILES = [
     "tests/unit/test_run_lock.py",
     "tests/unit/test_config_types.py",
     "tests/unit/test_cli_errors.py",
+    "tests/unit/test_ckpt_safety.py",
+    "tests/dist/test_ckpt_rundir.py",
+    "tests/dist/test_ckpt_resume.py::test_damaged_step_is_set_aside_and_training_continues_past_it",
+    "tests/dist/test_engine_access.py::test_full_parameters_through_gathered_parameters",
+    "tests/dist/test_engine_access.py::test_ranks_with_different_models_are_refused_naming_the_difference",
+    "tests/dist/test_engine_access.py::test_nonfinite_gradients_skip_the_step_with_a_warning",
+    "tests/dist/test_engine_access.py::test_nonfinite_gradients_raise_when_configured",
     "tests/dist/test_train_e2e.py::test_ctrl_c_stops_every_rank_then_resume_continues",
 ]
 
@@ -141,7 +174,7 @@ def run(timeout_s: float) -> tuple[list[tuple[str, str, str, float]], float]:
     grouped: dict[str, list[tuple[str, str, str, float]]] = {}
     for case in tree.iter("testcase"):
         item, what, key = _case_of(case.get("classname", ""), case.get("name", ""))
-        if key in ("test_run_lock", "test_config_types", "test_cli_errors"):
+        if key in ("test_run_lock", "test_config_types", "test_cli_errors", "test_ckpt_safety"):
             what = CASES[key][1]  # unit modules: one row each
         grouped.setdefault(what, []).append(
             (item, what, _outcome(case), float(case.get("time", 0.0)))

@@ -12,7 +12,7 @@ import psutil
 import pytest
 from launcher_procs import SPIN, Cli, assert_all_gone, free_port, wait_ranks
 
-from shardwise.checkpoint import verify
+from shardwise.checkpoint import CheckpointError, verify
 
 
 def test_kill_9_of_the_launcher_takes_its_ranks_along():
@@ -187,3 +187,25 @@ def test_an_unwaited_async_save_is_finished_at_the_end(tmp_path, shutdown):
         assert f"rank {rank}: finished: step 1 committed" in cli.output
     assert "terminate called" not in cli.output and "Traceback" not in cli.output
     assert verify(root / "step-00000001").step == 1
+
+
+def test_an_unwaited_save_that_outlasts_the_exit_wait_is_abandoned_uncommitted(tmp_path):
+    # every rank's save stalls 60 s; the end of the process waits 1 s for it, says it abandoned
+    # it, and exits cleanly: the step is never committed, nothing half-written is taken as valid
+    root = tmp_path / "ckpt"
+    stall = {"SHARDWISE_CKPT_STALL_S": "60", "SHARDWISE_EXIT_SAVE_WAIT_S": "1"}
+    script = str(SPIN.parent / "async_exit.py")
+    cli = Cli(
+        "run", "--nproc-per-node", "2", script, "--checkpoint-dir", str(root), extra_env=stall
+    )
+    try:
+        assert cli.finish(50) == 0, cli.output[-3000:]
+    finally:
+        cli.cleanup()
+    for rank in (0, 1):
+        assert f"rank {rank}: the checkpoint of step 1 was still being saved at exit" in cli.output
+        assert f"rank {rank}: abandoned the save of step 1 after 1 s" in cli.output
+    assert "committed" not in cli.output and "Traceback" not in cli.output
+    assert not (root / "step-00000001").exists()
+    with pytest.raises(CheckpointError):
+        verify(root / "step-00000001")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import weakref
 from pathlib import Path
@@ -26,7 +27,9 @@ log = logging.getLogger("shardwise.checkpoint")
 DEFAULT_TIMEOUT_S = 1800.0
 
 EXIT_WAIT_S = 600.0
-"""How long the end of the process (or ``shardwise.shutdown``) waits for a pending save."""
+"""How long the end of the process (or ``shardwise.shutdown``) waits for a pending save, unless
+``SHARDWISE_EXIT_SAVE_WAIT_S`` says otherwise."""
+EXIT_WAIT_ENV = "SHARDWISE_EXIT_SAVE_WAIT_S"
 
 _LIVE: weakref.WeakSet[AsyncCheckpointWriter] = weakref.WeakSet()
 
@@ -195,11 +198,31 @@ class AsyncCheckpointWriter:
             log.warning("rank %d: finished: step %s committed at %s", rank, step, path)
 
 
-def finish_pending_saves(when: str = "at exit", timeout_s: float = EXIT_WAIT_S) -> None:
-    """Finish (or abandon, after ``timeout_s``) every background save of this process that
-    nobody waited for; runs at interpreter exit and before ``shardwise.shutdown`` leaves."""
+def exit_wait_s() -> float:
+    """How long the end of the process waits for an unwaited save: ``SHARDWISE_EXIT_SAVE_WAIT_S``
+    seconds if set to a number > 0 (otherwise a logged error and the default), else 600."""
+    value = os.environ.get(EXIT_WAIT_ENV, "")
+    if not value:
+        return EXIT_WAIT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:  # also NaN
+        log.error(
+            "%s=%r is not a number of seconds > 0; waiting %g s", EXIT_WAIT_ENV, value, EXIT_WAIT_S
+        )
+        return EXIT_WAIT_S
+    return seconds
+
+
+def finish_pending_saves(when: str = "at exit", timeout_s: float | None = None) -> None:
+    """Finish (or abandon, after ``timeout_s``, default ``exit_wait_s()``) every background save
+    of this process that nobody waited for; runs at interpreter exit and before
+    ``shardwise.shutdown`` leaves."""
+    wait = exit_wait_s() if timeout_s is None else timeout_s
     for writer in list(_LIVE):
-        writer.finish_unwaited(timeout_s, when)
+        writer.finish_unwaited(wait, when)
 
 
 atexit.register(finish_pending_saves)

@@ -15,6 +15,9 @@ The chosen rank sends itself SIGKILL (no cleanup, no flush, like a node failure)
   must still be ignored. With another rank this point never fires.
 
 Unset (the default), every call is a no-op.
+
+``SHARDWISE_CKPT_STALL_S`` (seconds) makes every rank sleep that long where ``before_files``
+would fire: a save that outlasts whoever waits for it.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 
 log = logging.getLogger("shardwise.checkpoint")
 
 CRASH_AT_ENV = "SHARDWISE_CKPT_CRASH_AT"
 CRASH_RANK_ENV = "SHARDWISE_CKPT_CRASH_RANK"
 CRASH_POINTS = ("before_files", "mid_file", "after_files", "during_rename")
+STALL_ENV = "SHARDWISE_CKPT_STALL_S"
 
 
 def crash_point() -> str | None:
@@ -56,3 +61,16 @@ def maybe_crash(point: str, rank: int) -> None:
     if target_rank == rank:
         log.warning("rank %d: test hook %s=%s: killing this process", rank, CRASH_AT_ENV, point)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_stall() -> None:
+    """Sleep ``SHARDWISE_CKPT_STALL_S`` seconds if the environment sets it."""
+    value = os.environ.get(STALL_ENV, "")
+    if not value:
+        return
+    try:
+        seconds = float(value)
+    except ValueError as exc:
+        raise ValueError(f"{STALL_ENV}={value!r} must be a number of seconds") from exc
+    log.warning("test hook %s=%s: stalling this save", STALL_ENV, value)
+    time.sleep(seconds)

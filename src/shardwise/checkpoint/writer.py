@@ -34,7 +34,7 @@ from typing import Any
 
 from shardwise import comm
 from shardwise.checkpoint.entries import ShardEntry, prepare_entries
-from shardwise.checkpoint.faults import crash_point, maybe_crash
+from shardwise.checkpoint.faults import crash_point, maybe_crash, maybe_stall
 from shardwise.checkpoint.files import (
     dtype_name,
     fsync_dir,
@@ -233,6 +233,7 @@ def save_snapshot(
     if failure is not None:
         raise failure.exception()
     maybe_crash("before_files", me)
+    maybe_stall()
     own_error = local_error
     meta: RankMeta | _Failure
     try:
