@@ -31,7 +31,9 @@ from shardwise.engine_build import (
     cast_outside_flats,
     check_model,
     check_same_structure,
+    resolve_dp,
     resolve_group,
+    resolve_replicate,
 )
 from shardwise.engine_checkpoint import EngineCheckpoints
 from shardwise.engine_memory import memory_report
@@ -67,9 +69,14 @@ class Engine:
         self.config = config
         self.device = check_model(model)
         self.mesh = group if isinstance(group, Mesh) else None
-        self.group = resolve_group(group)
+        self.group = resolve_group(group)  # ZeRO shards over it
+        self.replicate = resolve_replicate(group)  # hierarchical sharding: copies of the shards
+        self.dp_group = resolve_dp(group)  # every data-parallel rank
         if config.debug_collectives:  # this engine's collectives only; nothing process-wide
             self.group = self.group.with_debug(True)
+            self.dp_group = self.dp_group.with_debug(True)
+            if self.replicate is not None:
+                self.replicate = self.replicate.with_debug(True)
         self.stage = ZeroStage.of(config.zero_stage)
         param_access.check_unclaimed(model)
         if isinstance(optimizer, torch.optim.Optimizer):  # before the model is rebuilt
@@ -79,10 +86,10 @@ class Engine:
         self.dtypes = Dtypes(policy.compute_dtype, policy.reduce_dtype, policy.master_dtype)
         self.host = torch.device("cpu") if config.offload_optimizer else self.device
         self.module = model
-        check_same_structure(model, self.group, self.device)
-        broadcast_buffers(model, self.group.ranks[0], self.group)
+        check_same_structure(model, self.dp_group, self.device)
+        broadcast_buffers(model, self.dp_group.ranks[0], self.dp_group)
         self.flats, self._schedule = build_flats(
-            model, config, self.stage, self.group, self.dtypes, self.host
+            model, config, self.stage, self.group, self.dtypes, self.host, self.replicate
         )
         param_access.claim(model)
         self._where: dict[int, tuple[FlatParam, ParamSlot]] = {
@@ -144,6 +151,8 @@ class Engine:
             raise ValueError("not a parameter of this engine's model")
         marked = placement_of(param)
         copies: list[Group] = [] if self.stage.shard_params else [self.group]
+        if self.replicate is not None:  # every replica holds this rank's shard
+            copies.append(self.replicate)
         if self.mesh is not None and self.mesh.tp_size > 1:
             tp = self.mesh.group("tp")
             if not marked.is_sharded_over(tp):

@@ -26,7 +26,23 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
 def resolve_group(group: Group | Mesh | None) -> Group:
-    """The data-parallel group ZeRO shards over: a Mesh's dp axis, a Group, or the world."""
+    """The data-parallel group ZeRO shards over: a Mesh's dp axis (its shard groups under
+    hierarchical sharding, ``Mesh(dp_replicate=, dp_shard=)``), a Group, or the world."""
+    if isinstance(group, Mesh):
+        return group.group("dp_shard")
+    return comm.resolve(group)
+
+
+def resolve_replicate(group: Group | Mesh | None) -> Group | None:
+    """The group holding copies of this rank's shards (a Mesh's ``dp_replicate`` part), or
+    None when ZeRO shards over the whole dp axis."""
+    if isinstance(group, Mesh) and group.dp_replicate_size > 1:
+        return group.group("dp_replicate")
+    return None
+
+
+def resolve_dp(group: Group | Mesh | None) -> Group:
+    """Every data-parallel rank (the shard groups and their replicas together)."""
     if isinstance(group, Mesh):
         return group.group("dp")
     return comm.resolve(group)
@@ -99,19 +115,22 @@ def build_flats(
     group: Group,
     dtypes: Dtypes,
     host: torch.device,
+    replicate: Group | None = None,
 ) -> tuple[list[FlatParam], ParamSchedule | None]:
-    """The flat buffers (and, stage 3, the gather/free schedule), holding ``group``'s first
-    rank's weights. Communicates: a broadcast per flat buffer (and per frozen parameter outside
-    one)."""
+    """The flat buffers (and, stage 3, the gather/free schedule), sharded over ``group`` and
+    copied over ``replicate``, holding the first replica's first rank's weights. Communicates:
+    a broadcast per flat buffer and group (and per frozen parameter outside one)."""
     src = group.ranks[0]
     schedule = None
     if not stage.shard_params:
         flats = [
-            FlatParam(named, group, stage, dtypes, trainable)
+            FlatParam(named, group, stage, dtypes, trainable, replicate)
             for named, trainable in buckets(model, config.reduce_bucket_bytes)
         ]
         for p in model.parameters():  # frozen: replicated, never updated: rank 0's, once
             if not p.requires_grad:
+                if replicate is not None and replicate.size > 1:
+                    ops.broadcast(p.data, src=replicate.ranks[0], group=replicate)
                 ops.broadcast(p.data, src=src, group=group)
     else:
         specs = units(model, tuple(config.wrap_policy) if config.wrap_policy else None)
@@ -120,7 +139,7 @@ def build_flats(
         for spec in specs:
             trainable, frozen = split_trainable(spec.own)
             mine = [
-                FlatParam(named, group, stage, dtypes, flag)
+                FlatParam(named, group, stage, dtypes, flag, replicate)
                 for named, flag in ((trainable, True), (frozen, False))
                 if named
             ]

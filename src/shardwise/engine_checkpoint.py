@@ -291,7 +291,7 @@ def load_engine(
         state["dp_size"],
         state["zero_stage"],
         state["precision"],
-        engine.group.size,
+        engine.dp_group.size,
         engine.stage.stage,
         engine.config.precision,
     )

@@ -34,6 +34,11 @@ def check_pipeline_config(pipe: PipelineModule, config: Config, group: Any) -> N
             "a PipelineModule trains over its own mesh: pass group=mesh, the Mesh the "
             "PipelineModule was built on"
         )
+    if group.dp_replicate_size > 1:
+        raise ValueError(
+            f"hierarchical sharding (dp_replicate={group.dp_replicate_size}) is not supported "
+            "with a PipelineModule; build its Mesh with dp= alone"
+        )
     if config.zero_stage not in SUPPORTED_STAGES:
         raise ValueError(
             f"zero_stage={config.zero_stage} is not supported with a PipelineModule; supported: "

@@ -42,6 +42,7 @@ class CheckpointableEngine(Protocol):
 
     config: Config
     group: Group
+    dp_group: Group
     stage: ZeroStage
     module: nn.Module
     flats: list[FlatParam]
@@ -186,7 +187,7 @@ def trainer_state(
         "skipped_steps": engine.skipped_steps,
         "config": engine.config.to_dict(),
         "world_size": sw_dist.world_size(),
-        "dp_size": engine.group.size,
+        "dp_size": engine.dp_group.size,
         "tp_size": 1 if engine.mesh is None else engine.mesh.tp_size,
         "zero_stage": engine.stage.stage,
         "precision": engine.config.precision,

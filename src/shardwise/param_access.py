@@ -98,6 +98,12 @@ def gathered_parameters(
     each flat buffer.
     """
     chosen = _flats_of(flats, params)
+    if modifier_rank is not None and chosen and chosen[0].replicate is not None:
+        raise ValueError(
+            "gathered_parameters(modifier_rank=...) is not supported with hierarchical sharding "
+            "(Mesh dp_replicate > 1): one rank's changes would reach its shard group only; "
+            "use engine.load_state_dict on every rank instead"
+        )
     if modifier_rank is not None and chosen and modifier_rank not in chosen[0].group.ranks:
         raise ValueError(
             f"modifier_rank={modifier_rank} is not a rank of the engine's group "

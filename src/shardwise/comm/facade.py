@@ -220,8 +220,9 @@ def world() -> Group:
 
 
 def comm_stats(reset: bool = False) -> dict[str, dict[str, int | float]]:
-    """``{op: {"calls", "bytes", "seconds"}}`` for every op the current world issued since the
-    last reset (in any of its groups)."""
+    """``{op: {"calls", "bytes", "seconds", "inter_node_bytes"}}`` for every op the current
+    world issued since the last reset (in any of its groups). ``inter_node_bytes``: what this
+    rank sent to other nodes (``shardwise.comm.crossing``; 0 when the nodes are unknown)."""
     return current().stats.snapshot(reset)
 
 

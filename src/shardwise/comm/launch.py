@@ -106,8 +106,11 @@ def launch(
     finish: Callable[[], T],
     async_op: bool,
     extra: str = "",
+    *,
+    inter_node_bytes: int = 0,
 ) -> T | Handle[T]:
-    """Trace, optionally desync-check, count, issue, and wait unless ``async_op``."""
+    """Trace, optionally desync-check, count, issue, and wait unless ``async_op``.
+    ``inter_node_bytes``: what this rank sends to other nodes (``comm.crossing``)."""
     if not group.is_member:
         raise ValueError(f"{op}: this rank is not a member of {group}")
     shapes = ",".join(str(tuple(t.shape)) for t in tensors)
@@ -122,7 +125,7 @@ def launch(
         trace.check_same_call(group.pg, group.name, group.ranks, seq, desc, dev)
     counter.issued = seq
     entry = group.tracer.begin(op, f"{group.name}.p2p" if p2p else group.name, seq, shapes, dtype)
-    group.stats.record_launch(op, payload_bytes)
+    group.stats.record_launch(op, payload_bytes, inter_node_bytes)
     t0 = time.perf_counter()
     try:
         works = issue() if group.size > 1 else []

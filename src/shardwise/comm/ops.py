@@ -16,7 +16,7 @@ from typing import Any, Literal, overload
 import torch
 import torch.distributed as dist
 
-from shardwise.comm import emulate, p2p
+from shardwise.comm import crossing, emulate, p2p
 from shardwise.comm.groups import Group
 from shardwise.comm.launch import Handle, check_group, check_tensor, launch, nbytes
 from shardwise.comm.p2p import P2P_ALL_GATHER_MIN_BYTES, finish_avg
@@ -86,6 +86,7 @@ def all_reduce(
         lambda: finish_avg(t, op, g.size),
         async_op,
         f"op={op}, ",
+        inter_node_bytes=crossing.all_reduce(g, t.numel(), t.element_size()),
     )
 
 
@@ -138,6 +139,7 @@ def broadcast(
         lambda: t,
         async_op,
         f"src={src}, ",
+        inter_node_bytes=crossing.broadcast(g, src, nbytes(t)),
     )
 
 
@@ -197,7 +199,8 @@ def all_gather(
                 full.chunk(g.size)[i].copy_(chunks[g.torch_position(i)])
         return full
 
-    return launch("all_gather", g, [t], nbytes(full), issue, finish, async_op)
+    far = crossing.all_gather(g, nbytes(full))
+    return launch("all_gather", g, [t], nbytes(full), issue, finish, async_op, inter_node_bytes=far)
 
 
 def all_gather_list(t: torch.Tensor, *, group: Group) -> list[torch.Tensor]:
@@ -302,7 +305,18 @@ def reduce_scatter(
             result.copy_(recv_buf[:mine])
         return finish_avg(result, op, g.size)
 
-    return launch("reduce_scatter", g, [t], nbytes(t), issue, finish, async_op, f"op={op}, ")
+    far = crossing.reduce_scatter(g, [nbytes(c) for c in chunks])
+    return launch(
+        "reduce_scatter",
+        g,
+        [t],
+        nbytes(t),
+        issue,
+        finish,
+        async_op,
+        f"op={op}, ",
+        inter_node_bytes=far,
+    )
 
 
 @overload
@@ -322,7 +336,8 @@ def send(t: torch.Tensor, dst: int, *, group: Group, async_op: bool = False) -> 
         emulate.delay_send(g.world.rank, dst, nbytes(t), g.world.world_size)
         return [dist.isend(t, dst, group=g.pg)]
 
-    res = launch("send", g, [t], nbytes(t), issue, lambda: None, async_op)
+    far = crossing.send(g, dst, nbytes(t))
+    res = launch("send", g, [t], nbytes(t), issue, lambda: None, async_op, inter_node_bytes=far)
     return res if async_op else None
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise.comm import crossing
 from shardwise.comm.groups import Group
 from shardwise.comm.launch import Handle, launch, nbytes
 
@@ -56,7 +57,8 @@ def all_gather(
             parts[me].copy_(src)
         return out
 
-    return launch("all_gather", g, [t], nbytes(out), issue, finish, async_op)
+    far = crossing.all_gather(g, nbytes(out))
+    return launch("all_gather", g, [t], nbytes(out), issue, finish, async_op, inter_node_bytes=far)
 
 
 def reduce_scatter(
@@ -108,4 +110,15 @@ def reduce_scatter(
             out.copy_(acc)
         return finish_avg(out, op, g.size)
 
-    return launch("reduce_scatter", g, [src], nbytes(src), issue, finish, async_op, f"op={op}, ")
+    far = crossing.reduce_scatter(g, [nbytes(c) for c in chunks])
+    return launch(
+        "reduce_scatter",
+        g,
+        [src],
+        nbytes(src),
+        issue,
+        finish,
+        async_op,
+        f"op={op}, ",
+        inter_node_bytes=far,
+    )

@@ -11,9 +11,15 @@ class OpStats:
     calls: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    inter_node_bytes: int = 0
 
     def as_dict(self) -> dict[str, int | float]:
-        return {"calls": self.calls, "bytes": self.bytes, "seconds": self.seconds}
+        return {
+            "calls": self.calls,
+            "bytes": self.bytes,
+            "seconds": self.seconds,
+            "inter_node_bytes": self.inter_node_bytes,
+        }
 
 
 @dataclass(eq=False)
@@ -22,9 +28,10 @@ class CommStats:
 
     ``bytes`` is the payload as the communication layer defines it: the tensor for all_reduce and
     broadcast, the gathered output for all_gather, the unreduced input for reduce_scatter, the
-    message for send/recv. ``seconds`` runs from the launch of an op until it is known complete
-    (its ``wait()`` returned). ``exposed_seconds`` counts only the time a caller spent blocked on
-    communication: what did not overlap compute.
+    message for send/recv. ``inter_node_bytes`` is what this rank sent to ranks of other nodes
+    (``shardwise.comm.crossing`` says how each op counts it). ``seconds`` runs from the launch
+    of an op until it is known complete (its ``wait()`` returned). ``exposed_seconds`` counts
+    only the time a caller spent blocked on communication: what did not overlap compute.
 
     A scope nested in another (a mesh's counters inside its world's) passes ``parent``: every op
     it records is recorded in the parent too, so the world's totals cover every group.
@@ -35,13 +42,14 @@ class CommStats:
     exposed_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def record_launch(self, op: str, nbytes: int) -> None:
+    def record_launch(self, op: str, nbytes: int, inter_node_bytes: int = 0) -> None:
         with self._lock:
             s = self.ops.setdefault(op, OpStats())
             s.calls += 1
             s.bytes += int(nbytes)
+            s.inter_node_bytes += int(inter_node_bytes)
         if self.parent is not None:
-            self.parent.record_launch(op, nbytes)
+            self.parent.record_launch(op, nbytes, inter_node_bytes)
 
     def record_done(self, op: str, seconds: float, blocked_s: float) -> None:
         with self._lock:
@@ -51,7 +59,8 @@ class CommStats:
             self.parent.record_done(op, seconds, blocked_s)
 
     def snapshot(self, reset: bool = False) -> dict[str, dict[str, int | float]]:
-        """``{op: {"calls", "bytes", "seconds"}}``; ``reset`` clears every counter after."""
+        """``{op: {"calls", "bytes", "seconds", "inter_node_bytes"}}``; ``reset`` clears every
+        counter after."""
         with self._lock:
             snap = {op: s.as_dict() for op, s in sorted(self.ops.items())}
             if reset:

@@ -13,6 +13,11 @@ A ``FlatParam`` holds a set of parameters laid end to end (see ``partition``). I
   optimizer sees, named after the original parameters.
 - gradient buffers: ``grad_full`` (full flat gradients: kept at stages 0-1, transient at 2-3)
   and ``grad_shard`` (the reduced slice kept between micro-steps at stages 2-3).
+
+Hierarchical sharding (HSDP; ZeRO++ hpZ, MiCS): ``group`` is a shard group and ``replicate``
+the group of ranks holding the same shard in the other shard groups (None when there are none).
+Everything is sharded and gathered within ``group``; only gradient reductions, the initial
+broadcast and the step's used map also run over ``replicate``.
 """
 
 from __future__ import annotations
@@ -68,7 +73,8 @@ def _resize_storage(t: torch.Tensor, numel: int) -> None:
 
 
 class FlatParam:
-    """A unit's (or a bucket's) parameters, flattened, padded and sharded over ``group``."""
+    """A unit's (or a bucket's) parameters, flattened, padded and sharded over ``group`` (and
+    replicated over ``replicate``, hierarchical sharding)."""
 
     def __init__(
         self,
@@ -77,12 +83,14 @@ class FlatParam:
         stage: ZeroStage,
         dtypes: Dtypes,
         trainable: bool = True,
+        replicate: Group | None = None,
     ) -> None:
         if not named_params:
             raise ValueError("a FlatParam needs at least one parameter")
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.group, self.stage, self.dtypes, self.trainable = group, stage, dtypes, trainable
+        self.replicate = replicate if replicate is not None and replicate.size > 1 else None
         self.device = self.params[0].device
         self.slots, self.numel = layout(self.names, [tuple(p.shape) for p in self.params])
         n = group.size
@@ -126,16 +134,24 @@ class FlatParam:
 
     # ---- set-up after rank 0's weights were broadcast into ``full`` ----
 
+    def reduce_groups(self) -> list[Group]:
+        """The groups a reduction over every data-parallel rank runs over, in order: the shard
+        group, then (hierarchical sharding) the replicate group."""
+        return [self.group] if self.replicate is None else [self.group, self.replicate]
+
     def broadcast_from(self, src: int) -> None:
-        """Give every rank ``src``'s initial weights. Communicates: one broadcast of the flat
-        buffer at the master dtype when it differs from the compute dtype, else at the compute
+        """Give every rank ``src``'s initial weights (hierarchical sharding: first across the
+        replicate group from its first rank, then from ``src`` in the shard group, so every
+        rank ends with the first replica's). Communicates: a broadcast of the flat buffer per
+        group, at the master dtype when it differs from the compute dtype, else at the compute
         dtype."""
+        value = self._init_master if self._init_master is not None else self.full
+        if self.replicate is not None:
+            ops.broadcast(value, src=self.replicate.ranks[0], group=self.replicate)
+        ops.broadcast(value, src=src, group=self.group)
         if self._init_master is not None:
-            ops.broadcast(self._init_master, src=src, group=self.group)
             with torch.no_grad():
                 self.full.copy_(self._init_master)
-        else:
-            ops.broadcast(self.full, src=src, group=self.group)
 
     def finish_init(self, host: torch.device | None = None) -> None:
         """Split off the shard, the fp32 master and the optimizer's views; release what this

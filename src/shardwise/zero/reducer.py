@@ -8,6 +8,11 @@ buffer has its gradient for this backward, the buffer's reduction starts asynchr
 - stages 2-3: reduce_scatter into a temporary slice that is added to the kept ``grad_shard``;
   the full gradient buffer is freed as soon as its reduction completes.
 
+With hierarchical sharding (a flat buffer with a ``replicate`` group) the reduction above runs
+within the shard group, then the reduced part (the shard at stages 1-3: 1/dp_shard of the
+buffer) is all-reduced (average) across the replicate group, so gradients cross shard groups
+(nodes) once, over 1/dp_shard of the bytes (PyTorch HSDP; ZeRO++ section 3.3).
+
 Reductions start strictly in buffer order, identical on every rank, so collectives match even if
 hooks fire in a different order somewhere. Stages 0-1 only reduce on the last micro-step of an
 accumulation window (ZeRO paper, section 5.2); stages 2-3 reduce every micro-step because they do
@@ -160,6 +165,10 @@ class GradReducer:
     def _complete(self, item: _Pending) -> None:
         item.handle.wait()
         f = item.flat
+        lo, hi = (f.shard_start, f.shard_stop) if f.stage.shard_optimizer else (0, f.padded)
+        if f.replicate is not None:  # averaged within the shard group; now across replicas
+            reduced = item.scratch if item.scratch is not None else item.buf[lo:hi]
+            ops.all_reduce(reduced, op="avg", group=f.replicate)
         if item.scratch is not None:
             if f.grad_shard is None:
                 f.grad_shard = item.scratch
@@ -171,7 +180,6 @@ class GradReducer:
                 f.grad_host = f.grad_shard.to(f.master.device, non_blocking=True)
         elif item.buf is not f.grad_full:  # reduced in another dtype: store it back
             assert f.grad_full is not None
-            lo, hi = (f.shard_start, f.shard_stop) if f.stage.shard_optimizer else (0, f.padded)
             f.grad_full[lo:hi].copy_(item.buf[lo:hi])
         if self.on_reduced is not None:
             self.on_reduced(f)

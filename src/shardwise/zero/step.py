@@ -51,8 +51,9 @@ def global_sumsq(
 ) -> float:
     """Sum of squares of every reduced gradient, each parameter counted once. Communicates:
     ``norm``'s all_reduces (one fp32 value per group splitting some parameter), then (optimizer
-    sharded) one all_reduce of one fp32 value over the dp group; with replicated optimizer
-    states every dp rank already has it."""
+    sharded) one all_reduce of one fp32 value over the shard group (each replica holds the same
+    reduced shards, so the replicate group is left out: nothing counted twice); with replicated
+    optimizer states every dp rank already has it."""
     if not flats:
         return 0.0
     local = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
@@ -70,14 +71,16 @@ def global_sumsq(
 def used_anywhere(flats: list[FlatParam]) -> list[list[bool]]:
     """Per flat buffer, per parameter: did any rank produce a gradient for it since the last
     step. At stage 3 it also checks that every rank gathered the same buffers (``GatherLog``).
-    Communicates: one all_reduce (max) of one byte per parameter (plus 16 at stage 3)."""
+    Communicates: one all_reduce (max) of one byte per parameter (plus 16 at stage 3) per
+    reduce group (``FlatParam.reduce_groups``)."""
     if not flats:
         return []
     log = flats[0].log
     bits = [u for f in flats for u in f.used]
     lanes = log.lanes() if log is not None else []
     t = torch.tensor(bits + lanes, dtype=torch.uint8, device=flats[0].device)
-    ops.all_reduce(t, op="max", group=flats[0].group)
+    for g in flats[0].reduce_groups():
+        ops.all_reduce(t, op="max", group=g)
     values = t.tolist()
     if log is not None:
         try:

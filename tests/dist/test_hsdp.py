@@ -1,0 +1,173 @@
+"""Hierarchical sharding (HSDP): ZeRO over dp_shard ranks of a node, replicated over dp_replicate
+nodes, on real gloo ranks: it trains like one process, holds 1/dp_shard of the sharded model
+states per rank, sends exactly the predicted bytes across nodes, and its checkpoints load on
+flat dp (and back).
+
+World 4 as 2 nodes of 2 ranks (SHARDWISE_EMULATE_NODES="0,0,1,1"); Ψ parameters, B = 4Ψ bytes,
+no padding (every flat buffer's size is a multiple of 4). What this rank sends to the other node
+per step (``comm_stats()[op]["inter_node_bytes"]``, ``shardwise.comm.crossing``):
+
+- flat ZeRO over dp=4: reduce_scatter B/2 (the two far chunks), all_gather B/2 per gather
+  (stages 1-2 once after the step, stage 3 twice: forward and backward);
+- HSDP 2 x 2: no reduce_scatter or all_gather leaves the node; the replicate all_reduce of the
+  reduced shard (B/2 over 2 ranks: the peer's half of it out, then this rank's half back)
+  sends B/2 = (B/2 + B/2) / S, at stages 1-2 exactly 1/S of flat ZeRO's. At stage 3 it is 1/3
+  of flat's here: both parameter gathers stay inside the node.
+
+Plus the small control all_reduces: the used map (one byte per parameter, +16 at stage 3) and,
+flat only, the gradient norm (one fp32 value; HSDP sums it over the shard group only).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise
+from shardwise.comm.emulate import NODES_ENV
+from shardwise.testing import run_on_ranks
+
+NODES = (0, 0, 1, 1)
+STEPS, CLIP, MICRO = 5, 0.05, 3
+RTOL, ATOL = 1e-5, 1e-6
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)  # 144 parameters
+        self.fc2 = nn.Linear(16, 4)  # 68
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.fc2(torch.tanh(self.fc1(x))), y)
+
+
+PSI = 144 + 68
+N_PARAMS = 4
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return MLP()
+
+
+def _opt(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
+
+
+def _batches(parts: int = 4) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(3)
+    return [[(torch.randn(MICRO, 8, generator=g), torch.randn(MICRO, 4, generator=g))
+             for _ in range(parts)] for _ in range(STEPS)]
+
+
+def _reference():
+    model = _model()
+    opt = _opt(model)
+    norms = []
+    for parts in _batches():
+        for x, y in parts:
+            (model(x, y) / len(parts)).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in model.state_dict().items()}, norms
+
+
+def _mesh(hsdp: bool) -> shardwise.Mesh:
+    return shardwise.Mesh(dp_replicate=2, dp_shard=2) if hsdp else shardwise.Mesh(dp=4)
+
+
+def _train_task(stage: int, hsdp: bool):
+    torch.set_num_threads(1)
+    old = os.environ.get(NODES_ENV)
+    os.environ[NODES_ENV] = ",".join(map(str, NODES))
+    try:
+        mesh = _mesh(hsdp)
+        model = _model()
+        cfg = shardwise.Config(zero_stage=stage, gradient_clipping=CLIP)
+        engine = shardwise.initialize(model, _opt(model), cfg, group=mesh)
+        stats, norms, memory = [], [], None
+        for step, parts in enumerate(_batches()):
+            shardwise.comm_stats(reset=True)
+            x, y = parts[mesh.rank("dp")]
+            engine.backward(engine(x, y))
+            if step == 1:
+                memory = engine.memory()
+            engine.step()
+            norms.append(engine.grad_norm)
+            stats.append({op: s["inter_node_bytes"] for op, s in shardwise.comm_stats().items()})
+        sizes = [f.padded for f in engine.flats]
+        return engine.state_dict(), norms, stats, memory, sizes, mesh.rank("dp_shard")
+    finally:
+        if old is None:
+            del os.environ[NODES_ENV]
+        else:
+            os.environ[NODES_ENV] = old
+
+
+def _chunks(numel: int, parts: int, item: int) -> list[int]:
+    q, r = divmod(numel, parts)
+    return [(q + 1 if i < r else q) * item for i in range(parts)]
+
+
+def _all_reduce_far(numel: int, item: int, ranks: list[int], me: int) -> int:
+    """Bytes ``me`` sends off its node in a reduce_scatter + all_gather exchange over ``ranks``."""
+    chunks = _chunks(numel, len(ranks), item)
+    far = [j for j, r in enumerate(ranks) if NODES[r] != NODES[me]]
+    return sum(chunks[j] for j in far) + len(far) * chunks[ranks.index(me)]
+
+
+def _control(stage: int, hsdp: bool, rank: int) -> int:
+    """The used map (+ the stage-3 gather hash) over every dp rank (HSDP: its shard group, then
+    its replicate group), and the gradient norm over the shard group."""
+    used = N_PARAMS + (16 if stage == 3 else 0)
+    if hsdp:
+        return _all_reduce_far(used, 1, [rank % 2, rank % 2 + 2], rank)
+    world = [0, 1, 2, 3]
+    return _all_reduce_far(used, 1, world, rank) + _all_reduce_far(1, 4, world, rank)
+
+
+def _expected(stage: int, hsdp: bool, rank: int, flats: list[int]) -> dict[str, int]:
+    if hsdp:
+        replicate = [rank % 2, rank % 2 + 2]
+        grads = sum(_all_reduce_far(p // 2, 4, replicate, rank) for p in flats)
+        return {"all_reduce": grads + _control(stage, hsdp, rank), "reduce_scatter": 0,
+                "all_gather": 0}
+    gathers = 2 if stage == 3 else 1
+    return {"reduce_scatter": 4 * PSI // 2, "all_gather": gathers * 4 * PSI // 2,
+            "all_reduce": _control(stage, hsdp, rank)}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hsdp_matches_one_process_bytes_and_memory(stage):
+    ref_state, ref_norms = _reference()
+    assert all(n > CLIP for n in ref_norms), "clipping must be active"
+    runs = {hsdp: run_on_ranks(4, _train_task, stage, hsdp) for hsdp in (True, False)}
+    b, s = 4 * PSI, 2
+    for hsdp, results in runs.items():
+        n = s if hsdp else 4  # ZeRO shards over the dp_shard ranks
+        for rank, (state, norms, stats, mem, flats, shard_rank) in enumerate(results):
+            assert shard_rank == (rank % 2 if hsdp else rank)
+            torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms),
+                                       rtol=RTOL, atol=ATOL)
+            for k in ref_state:
+                torch.testing.assert_close(state[k], ref_state[k], rtol=RTOL, atol=ATOL,
+                                           msg=lambda m, k=k: f"{k}: {m}")
+            assert sum(flats) == PSI  # no padding at 2 or 4 ranks
+            expected = _expected(stage, hsdp, rank, flats)
+            for step_stats in stats:
+                assert {op: step_stats.get(op, 0) for op in expected} == expected, (hsdp, rank)
+            bulk = sum(expected.values()) - _control(stage, hsdp, rank)
+            if hsdp:
+                assert bulk == b // 2  # the shard (B/S) all-reduced over 2 replicas
+                flat_bulk = sum(_expected(stage, False, rank, flats).values()) - _control(
+                    stage, False, rank)
+                assert bulk * (s if stage < 3 else 3) == flat_bulk
+            # per-rank model states: the sharded ones / dp_shard
+            assert mem["params"] == (b // n if stage == 3 else b)
+            assert mem["grads"] == (b if stage == 1 else b // n)
+            assert mem["optimizer"] == 2 * b // n  # AdamW's exp_avg and exp_avg_sq
