@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import shardwise
+from shardwise.checkpoint import CheckpointReader
 from shardwise.comm.emulate import NODES_ENV
 from shardwise.testing import run_on_ranks
 
@@ -171,3 +172,86 @@ def test_hsdp_matches_one_process_bytes_and_memory(stage):
             assert mem["params"] == (b // n if stage == 3 else b)
             assert mem["grads"] == (b if stage == 1 else b // n)
             assert mem["optimizer"] == 2 * b // n  # AdamW's exp_avg and exp_avg_sq
+
+
+# ---- checkpoints: saved under HSDP, loaded on flat dp, and back ----
+
+def _ckpt_task(save_hsdp: bool, save_stage: int, load_stage: int, root: str):
+    """Save after 2 steps, train a third; a new engine of the other layout loads the save and
+    trains the same third step."""
+    torch.set_num_threads(1)
+    data = _batches()
+
+    def engine_of(hsdp: bool, stage: int):
+        mesh = _mesh(hsdp)
+        model = _model()
+        cfg = shardwise.Config(zero_stage=stage, gradient_clipping=CLIP)
+        return shardwise.initialize(model, _opt(model), cfg, group=mesh), mesh
+
+    def step(engine, mesh, parts):
+        x, y = parts[mesh.rank("dp")]
+        engine.backward(engine(x, y))
+        engine.step()
+
+    engine, mesh = engine_of(save_hsdp, save_stage)
+    for parts in data[:2]:
+        step(engine, mesh, parts)
+    engine.save(root)
+    step(engine, mesh, data[2])
+    other, other_mesh = engine_of(not save_hsdp, load_stage)
+    other.load(root)
+    assert other.global_step == 2
+    step(other, other_mesh, data[2])
+    return engine.state_dict(), other.state_dict()
+
+
+@pytest.mark.parametrize(("save_hsdp", "save_stage", "load_stage"),
+                         [(True, 2, 3), (False, 3, 1)])
+def test_hsdp_checkpoint_loads_on_flat_dp_and_back(tmp_path, save_hsdp, save_stage, load_stage):
+    root = str(tmp_path / "ckpt")
+    for continued, loaded in run_on_ranks(4, _ckpt_task, save_hsdp, save_stage, load_stage,
+                                          root):
+        for k in continued:  # the same third step from the saved state (optimizer included)
+            torch.testing.assert_close(loaded[k], continued[k], rtol=RTOL, atol=ATOL)
+    # the manifest refuses overlapping boxes; under HSDP only the first replica's ranks write
+    with CheckpointReader(tmp_path / "ckpt" / "step-00000002") as reader:
+        writers = {reader.manifest.files[p.file].rank for n in reader.names()
+                   if n.startswith(("model/", "optim/")) for p in reader.manifest.tensors[n].pieces}
+    assert writers == ({0, 1} if save_hsdp else {0, 1, 2, 3})
+
+
+# ---- the mesh ----
+
+def _groups_task():
+    mesh = shardwise.Mesh(dp_replicate=2, dp_shard=2)
+    r = shardwise.rank()
+    out = {name: shardwise.all_gather(torch.tensor([r]), group=mesh.group(name)).tolist()
+           for name in ("dp", "dp_shard", "dp_replicate")}
+    flat = shardwise.Mesh(dp=4)
+    out["flat"] = [flat.group("dp_shard") is flat.group("dp"), flat.group("dp_replicate").size]
+    return out, mesh.rank("dp_shard"), mesh.rank("dp_replicate"), repr(mesh)
+
+
+def test_hsdp_mesh_groups():
+    for r, (groups, shard_rank, replicate_rank, text) in enumerate(run_on_ranks(4, _groups_task)):
+        assert groups["dp"] == [0, 1, 2, 3]
+        assert groups["dp_shard"] == [r - r % 2, r - r % 2 + 1]  # consecutive: one node
+        assert groups["dp_replicate"] == [r % 2, r % 2 + 2]
+        assert groups["flat"] == [True, 1]
+        assert (shard_rank, replicate_rank) == (r % 2, r // 2)
+        assert "dp=4 (2 x 2)" in text
+
+
+def test_hsdp_mesh_rejects_bad_sizes():
+    with pytest.raises(ValueError, match=r"dp=2 does not match dp_replicate=2 x dp_shard=2"):
+        shardwise.Mesh(dp=2, dp_replicate=2, dp_shard=2, world_size=4)
+    with pytest.raises(ValueError, match="dp_shard=0 must be >= 1"):
+        shardwise.Mesh(dp_shard=0, world_size=4)
+    with pytest.raises(ValueError, match="dp_replicate=-1 must be >= 1"):
+        shardwise.Mesh(dp_replicate=-1, dp_shard=2, world_size=4)
+    with pytest.raises(TypeError, match="dp_shard=2.0 must be an int"):
+        shardwise.Mesh(dp_shard=2.0, world_size=4)
+    with pytest.raises(ValueError, match="dp_shard=3 does not divide dp=4"):
+        shardwise.Mesh(dp_shard=3, world_size=4)
+    with pytest.raises(ValueError, match="does not match the world size 4"):
+        shardwise.Mesh(dp_replicate=3, dp_shard=2, world_size=4)

@@ -18,6 +18,9 @@ The counts are what this rank sends under the direct-exchange algorithms the glo
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+
+import torch
 
 from shardwise.comm import emulate
 from shardwise.comm.groups import Group
@@ -58,8 +61,9 @@ def all_gather(group: Group, out_bytes: int) -> int:
     return len(off_node(group)) * (out_bytes // group.size)
 
 
-def reduce_scatter(group: Group, chunk_bytes: list[int]) -> int:
-    return sum(chunk_bytes[j] for j in off_node(group))
+def reduce_scatter(group: Group, chunks: Sequence[torch.Tensor]) -> int:
+    """``chunks``: the input's chunk for each group rank."""
+    return sum(chunks[j].numel() * chunks[j].element_size() for j in off_node(group))
 
 
 def all_reduce(group: Group, numel: int, element_bytes: int) -> int:

@@ -305,7 +305,8 @@ def reduce_scatter(
             result.copy_(recv_buf[:mine])
         return finish_avg(result, op, g.size)
 
-    far = crossing.reduce_scatter(g, [nbytes(c) for c in chunks])
+    far = crossing.reduce_scatter(g, chunks)
+    extra = f"op={op}, "
     return launch(
         "reduce_scatter",
         g,
@@ -314,7 +315,7 @@ def reduce_scatter(
         issue,
         finish,
         async_op,
-        f"op={op}, ",
+        extra,
         inter_node_bytes=far,
     )
 

@@ -110,7 +110,8 @@ def reduce_scatter(
             out.copy_(acc)
         return finish_avg(out, op, g.size)
 
-    far = crossing.reduce_scatter(g, [nbytes(c) for c in chunks])
+    far = crossing.reduce_scatter(g, chunks)
+    extra = f"op={op}, "
     return launch(
         "reduce_scatter",
         g,
@@ -119,6 +120,6 @@ def reduce_scatter(
         issue,
         finish,
         async_op,
-        f"op={op}, ",
+        extra,
         inter_node_bytes=far,
     )
