@@ -28,7 +28,8 @@ def initialize(
     lr_scheduler: SchedulerFactory | None = None,
 ) -> Engine:
     """Wrap ``model`` for ZeRO training over ``group`` (default: the world; a Mesh: its dp axis,
-    the norm spanning its other axes too).
+    the norm spanning its other axes too; a ``Mesh(dp_replicate=, dp_shard=)``: sharded over
+    each dp_shard group and replicated across dp_replicate, hierarchical sharding).
 
     Parallelisms apply from outside the model in one order: pipeline split, tensor parallel
     (both done by the caller before this, marking split parameters with

@@ -8,11 +8,13 @@ no padding (every flat buffer's size is a multiple of 4). What this rank sends t
 per step (``comm_stats()[op]["inter_node_bytes"]``, ``shardwise.comm.crossing``):
 
 - flat ZeRO over dp=4: reduce_scatter B/2 (the two far chunks), all_gather B/2 per gather
-  (stages 1-2 once after the step, stage 3 twice: forward and backward);
+  (stages 1-2 once after the step, stage 3 twice: forward and backward); stage 0 an all_reduce
+  of B (B/2 out as the reduce-scatter half, B/2 as the all-gather half);
 - HSDP 2 x 2: no reduce_scatter or all_gather leaves the node; the replicate all_reduce of the
   reduced shard (B/2 over 2 ranks: the peer's half of it out, then this rank's half back)
   sends B/2 = (B/2 + B/2) / S, at stages 1-2 exactly 1/S of flat ZeRO's. At stage 3 it is 1/3
-  of flat's here: both parameter gathers stay inside the node.
+  of flat's here: both parameter gathers stay inside the node. Stage 0 shards nothing: the
+  whole buffer is all-reduced inside the node, then across it (B, as flat).
 
 Plus the small control all_reduces: the used map (one byte per parameter, +16 at stage 3) and,
 flat only, the gradient norm (one fp32 value; HSDP sums it over the shard group only).
@@ -124,18 +126,25 @@ def _all_reduce_far(numel: int, item: int, ranks: list[int], me: int) -> int:
 
 def _control(stage: int, hsdp: bool, rank: int) -> int:
     """The used map (+ the stage-3 gather hash) over every dp rank (HSDP: its shard group, then
-    its replicate group), and the gradient norm over the shard group."""
+    its replicate group), and at stages 1-3 the gradient norm over the shard group."""
     used = N_PARAMS + (16 if stage == 3 else 0)
     if hsdp:
         return _all_reduce_far(used, 1, [rank % 2, rank % 2 + 2], rank)
     world = [0, 1, 2, 3]
-    return _all_reduce_far(used, 1, world, rank) + _all_reduce_far(1, 4, world, rank)
+    norm = _all_reduce_far(1, 4, world, rank) if stage > 0 else 0
+    return _all_reduce_far(used, 1, world, rank) + norm
 
 
 def _expected(stage: int, hsdp: bool, rank: int, flats: list[int]) -> dict[str, int]:
-    if hsdp:
+    if hsdp:  # stage 0 all-reduces the whole buffer across replicas, stages 1-3 the shard
         replicate = [rank % 2, rank % 2 + 2]
-        grads = sum(_all_reduce_far(p // 2, 4, replicate, rank) for p in flats)
+        grads = sum(_all_reduce_far(p if stage == 0 else p // 2, 4, replicate, rank)
+                    for p in flats)
+        return {"all_reduce": grads + _control(stage, hsdp, rank), "reduce_scatter": 0,
+                "all_gather": 0}
+    world = [0, 1, 2, 3]
+    if stage == 0:
+        grads = sum(_all_reduce_far(p, 4, world, rank) for p in flats)
         return {"all_reduce": grads + _control(stage, hsdp, rank), "reduce_scatter": 0,
                 "all_gather": 0}
     gathers = 2 if stage == 3 else 1
@@ -143,7 +152,7 @@ def _expected(stage: int, hsdp: bool, rank: int, flats: list[int]) -> dict[str, 
             "all_reduce": _control(stage, hsdp, rank)}
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_hsdp_matches_one_process_bytes_and_memory(stage):
     ref_state, ref_norms = _reference()
     assert all(n > CLIP for n in ref_norms), "clipping must be active"
@@ -164,14 +173,17 @@ def test_hsdp_matches_one_process_bytes_and_memory(stage):
                 assert {op: step_stats.get(op, 0) for op in expected} == expected, (hsdp, rank)
             bulk = sum(expected.values()) - _control(stage, hsdp, rank)
             if hsdp:
-                assert bulk == b // 2  # the shard (B/S) all-reduced over 2 replicas
+                # the reduced part (stages 1-3: the shard, B/S) all-reduced over 2 replicas
+                assert bulk == (b if stage == 0 else b // 2)
                 flat_bulk = sum(_expected(stage, False, rank, flats).values()) - _control(
                     stage, False, rank)
-                assert bulk * (s if stage < 3 else 3) == flat_bulk
-            # per-rank model states: the sharded ones / dp_shard
+                # stages 1-2: exactly 1/S of flat ZeRO; stage 3: flat also gathers twice
+                # across nodes; stage 0 (nothing sharded): the same bytes
+                assert bulk * {0: 1, 1: s, 2: s, 3: 3}[stage] == flat_bulk
+            # per-rank model states: the sharded ones / dp_shard (AdamW: exp_avg, exp_avg_sq)
             assert mem["params"] == (b // n if stage == 3 else b)
-            assert mem["grads"] == (b if stage == 1 else b // n)
-            assert mem["optimizer"] == 2 * b // n  # AdamW's exp_avg and exp_avg_sq
+            assert mem["grads"] == (b if stage <= 1 else b // n)
+            assert mem["optimizer"] == (2 * b if stage == 0 else 2 * b // n)
 
 
 # ---- checkpoints: saved under HSDP, loaded on flat dp, and back ----

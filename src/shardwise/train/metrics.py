@@ -7,7 +7,8 @@ Keys of a step record (units in the names where they have one):
 - ``lr``: learning rate the step used. ``grad_norm``: global gradient L2 norm before clipping.
 - ``tokens``: training tokens of the step over all ranks; ``tokens_per_s``: ``tokens`` over
   ``step_time_s``, the slowest rank's wall time of forward, backward and optimizer step.
-- ``comm``: rank 0's collectives of the step, ``{op: {"calls", "bytes", "seconds"}}``;
+- ``comm``: rank 0's collectives of the step, ``{op: {"calls", "bytes", "seconds",
+  "inter_node_bytes"}}``;
   ``exposed_comm_s``: per rank, seconds blocked on communication (not overlapped with compute).
 - ``memory``: per rank, ``Engine.memory()`` bytes by category, taken after the last backward of
   the step, when gradients are held.
