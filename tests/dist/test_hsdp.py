@@ -267,3 +267,21 @@ def test_hsdp_mesh_rejects_bad_sizes():
         shardwise.Mesh(dp_shard=3, world_size=4)
     with pytest.raises(ValueError, match="does not match the world size 4"):
         shardwise.Mesh(dp_replicate=3, dp_shard=2, world_size=4)
+
+
+def _modifier_task():
+    model = _model()
+    engine = shardwise.initialize(model, _opt(model), shardwise.Config(zero_stage=3),
+                                  group=_mesh(True))
+    refused = r"modifier_rank=\.\.\.\) is not supported with hierarchical"
+    with pytest.raises(ValueError, match=refused):
+        with engine.gathered_parameters(modifier_rank=0):
+            pass
+    with engine.gathered_parameters():  # reading the full parameters works
+        return float(engine.module.fc1.weight.sum())
+
+
+def test_hsdp_refuses_modifier_rank():
+    sums = run_on_ranks(4, _modifier_task)
+    assert len(set(sums)) == 1
+    assert sums[0] == pytest.approx(float(_model().fc1.weight.detach().sum()), rel=1e-6)
