@@ -160,6 +160,11 @@ class Engine:
         zero = self.group if self.stage.shard_optimizer else None
         return Placement(marked.shards, zero=zero, replicated=tuple(copies))
 
+    def writes_buffer(self, name: str) -> bool:
+        """Whether this rank writes buffer ``name`` (a state-dict key) to a checkpoint: one
+        holder of its copies, the first rank of the dp group (and of tp in a mesh)."""
+        return self.group.rank == 0 and (self.mesh is None or self.mesh.rank("tp") == 0)
+
     # ---- training ----
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

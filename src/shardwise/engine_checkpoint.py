@@ -12,7 +12,10 @@ one rank state per rank (RNG states as tensors and JSON, never a pickle).
 
 Loading reads, on each rank, exactly the ranges its master and optimizer pieces cover now, so the
 world size, the (dp, tp) layout, ZeRO stage and precision may all differ from the run that saved:
-tensor-parallel pieces are saved and read as boxes of their whole, unpadded tensors. The ranks
+tensor-parallel pieces are saved and read as boxes of their whole, unpadded tensors. A
+pipeline's stages each write their own parameters under the whole model's names (a tied weight
+once, by its first holder), so it loads at any (pp, dp) layout or into a plain ``Engine`` over
+the ``LayerStack`` of the same layers. The ranks
 that save together are the engine's whole mesh (or its dp group), which must be the world. RNG
 states are restored only at the same world size (rank r gets rank r's); otherwise every rank is
 re-seeded.
@@ -43,7 +46,7 @@ from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.checkpoint.retention import prepare_resume
 from shardwise.checkpoint.writer import save_checkpoint
 from shardwise.comm import objects
-from shardwise.comm.groups import Group
+from shardwise.engine_checkpoint_ranks import gather_scalars, save_group, whole_model_entries
 from shardwise.engine_run_state import (
     ENGINE_FORMAT,
     READABLE_ENGINE_VERSIONS,
@@ -57,7 +60,6 @@ from shardwise.engine_run_state import (
 from shardwise.engine_weights import load_pretrained
 from shardwise.zero.checkpoint_entries import (
     ModelNames,
-    ScalarStates,
     check_model_matches,
     flat_entries,
     load_flats,
@@ -78,26 +80,6 @@ def _me() -> int:
 # ---- saving ----
 
 
-def save_group(engine: CheckpointableEngine) -> Group:
-    """The ranks that save and load a checkpoint together: the engine's whole mesh (dp x tp),
-    or its data-parallel group. Raises ValueError unless that is the world in rank order, or
-    for a pipeline-parallel mesh (each stage holds other parameters)."""
-    mesh = engine.mesh
-    if mesh is not None and mesh.pp_size > 1:
-        raise ValueError(
-            f"checkpoints of a pipeline-parallel engine ({mesh}) are not supported: save "
-            f"each stage's weights with engine.state_dict()"
-        )
-    group = engine.group if mesh is None else mesh.group("pp", "dp", "tp")
-    world = sw_dist.world_size()
-    if tuple(group.ranks) != tuple(range(world)):
-        raise ValueError(
-            f"checkpoints need the engine's mesh or data-parallel group to be the whole "
-            f"world in rank order; it is {group} of {world} ranks"
-        )
-    return group
-
-
 def _check_saveable(engine: CheckpointableEngine) -> None:
     accum = engine.config.gradient_accumulation_steps
     if engine.micro_step % accum:
@@ -106,20 +88,6 @@ def _check_saveable(engine: CheckpointableEngine) -> None:
             f"{engine.micro_step} is inside an accumulation window of {accum}, and "
             f"accumulated gradients are not saved"
         )
-
-
-def _gather_scalars(engine: CheckpointableEngine, local: ScalarStates) -> ScalarStates:
-    """Every rank's scalar optimizer states, merged; pieces of one parameter must agree.
-    Communicates: one all_gather_object over the engine's group."""
-    merged: ScalarStates = {}
-    for rank, states in enumerate(objects.all_gather_object(local, group=engine.group)):
-        for name, values in states.items():
-            if merged.setdefault(name, values) != values:
-                raise ValueError(
-                    f"scalar optimizer states of {name!r} differ between ranks "
-                    f"({merged[name]} vs rank {rank}'s {values})"
-                )
-    return merged
 
 
 def save_engine(
@@ -149,7 +117,7 @@ def save_engine(
     Returns:
         The checkpoint's path (with ``async_writer``: where it will be once committed).
 
-    Communicates: one all_gather_object of scalar optimizer states over the engine's group, then
+    Communicates: one all_gather_object of scalar optimizer states over the saving group, then
     the collectives of ``save_checkpoint`` (from the writer's thread when async).
     """
     group = save_group(engine)
@@ -164,9 +132,9 @@ def save_engine(
         engine.group.rank,
         engine.group.size,
         layouts,
-        buffers=group.rank == 0,
+        {n: b for n, b in names.buffers.items() if engine.writes_buffer(n)},
     )
-    state = trainer_state(engine, names, _gather_scalars(engine, local), sampler, extra)
+    state = trainer_state(engine, names, gather_scalars(engine, local), sampler, extra)
     step = engine.global_step
     if async_writer is not None:
         if async_writer.root != Path(root):
@@ -258,8 +226,9 @@ def load_engine(
         CheckpointError naming the damaged or missing file; ValueError when the checkpoint
         does not fit the model or optimizer.
 
-    Communicates: the verification's all_gather_object; stages 1-2: one all_gather per flat
-    buffer to refresh the replicated parameters.
+    Communicates: the verification's all_gather_object; with pp > 1, one all_gather_object of
+    the stages' names; stages 1-2: one all_gather per flat buffer to refresh the replicated
+    parameters.
     """
     step_dir = resolve(path_or_root, which)
     if verify:
@@ -269,7 +238,7 @@ def load_engine(
     with CheckpointReader(step_dir, verify=False) as reader:
         state = reader.trainer_state
         _check_format(state, engine, step_dir)
-        check_model_matches(reader, engine.module, names, layouts)
+        check_model_matches(reader, whole_model_entries(engine, names, layouts))
         scalars = state["optimizer"]["scalar_states"]
         load_flats(engine.flats, engine.optimizer, reader, names, scalars, layouts)
         load_replicated(engine.module, engine.flats, reader, names, layouts)

@@ -11,6 +11,7 @@ loss = engine.train_batch(x, y)   # this dp rank's batch
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from shardwise.engine import Engine, SchedulerFactory
 from shardwise.mesh import Mesh
 from shardwise.pipeline.executor import PipelineExecutor
 from shardwise.pipeline.stage import PipelineModule
+from shardwise.placement import Placement
 from shardwise.zero import optimizer as zero_opt
 
 SUPPORTED_STAGES = (0, 1, 2)
@@ -86,6 +88,19 @@ class PipelineEngine(Engine):
     def _overflow_group(self) -> Group | None:
         """Every rank of the mesh steps together: all of them agree on fp16 overflow."""
         return self.mesh.group("pp", "dp", "tp") if self.mesh is not None else None
+
+    def placement(self, param: torch.Tensor) -> Placement:
+        """As ``Engine.placement``; a tied parameter is also replicated over the pp ranks
+        holding its copies (a checkpoint stores it once, from the first holder)."""
+        where = super().placement(param)
+        tied = self.pipe.tied_group_of(param)
+        if tied is None:
+            return where
+        return dataclasses.replace(where, replicated=(*where.replicated, tied))
+
+    def writes_buffer(self, name: str) -> bool:
+        """Each stage writes its own buffers; a tied module's, its first holder only."""
+        return super().writes_buffer(name) and not self.pipe.is_tied_copy(name)
 
     def _counted_elsewhere(self, model: torch.nn.Module) -> list[torch.nn.Parameter]:
         """Tied weights whose first holder is another pp rank: the norm counts them once."""

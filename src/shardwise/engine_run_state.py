@@ -60,6 +60,8 @@ class CheckpointableEngine(Protocol):
 
     def placement(self, param: torch.Tensor) -> Placement: ...
 
+    def writes_buffer(self, name: str) -> bool: ...
+
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
 
 
@@ -189,6 +191,7 @@ def trainer_state(
         "world_size": sw_dist.world_size(),
         "dp_size": engine.dp_group.size,
         "tp_size": 1 if engine.mesh is None else engine.mesh.tp_size,
+        "pp_size": 1 if engine.mesh is None else engine.mesh.pp_size,
         "zero_stage": engine.stage.stage,
         "precision": engine.config.precision,
         "loss_scaler": {"enabled": engine.scaler.enabled, **engine.scaler.state_dict()},

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE = Path(shardwise.__file__).resolve().parent
 LINE_BUDGET = 400
 # Modules over the budget today, each to be split; the list may only shrink.
-OVER_BUDGET = {"engine_checkpoint.py"}
+OVER_BUDGET: set[str] = set()
 
 
 def _ci_commands() -> list[str]:

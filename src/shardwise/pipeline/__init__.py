@@ -10,6 +10,7 @@ from shardwise.pipeline.schedule import (
     schedule_from_compute,
 )
 from shardwise.pipeline.simulate import ScheduleError, SimResult, simulate
+from shardwise.pipeline.stack import LayerStack
 from shardwise.pipeline.stage import LayerFn, LayerSpec, PipelineModule, Tied
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "Kind",
     "LayerFn",
     "LayerSpec",
+    "LayerStack",
     "PipelineExecutor",
     "PipelineModule",
     "Schedule",

@@ -106,6 +106,63 @@ def _build(source: nn.Module | LayerSpec, seed: int | None) -> nn.Module:
     return source.build(seed) if isinstance(source, LayerSpec) else source
 
 
+def check_entries(layers: Sequence[Entry]) -> list[Entry]:
+    """``layers`` as a list; TypeError naming the first entry of another kind."""
+    entries = list(layers)
+    for i, e in enumerate(entries):
+        if not isinstance(e, (nn.Module, LayerSpec, Tied)):
+            raise TypeError(
+                f"layers[{i}] is {type(e).__name__}; allowed: nn.Module, LayerSpec, Tied"
+            )
+    return entries
+
+
+def build_entry(
+    entries: Sequence[Entry],
+    i: int,
+    layers: nn.ModuleDict,
+    tied: nn.ModuleDict,
+    first_of: dict[str, int],
+    seed: int | None,
+) -> None:
+    """Build ``entries[i]`` into ``layers[str(i)]``, or a tied module into ``tied[key]`` once
+    (seeded by its first index ``first_of[key]``): the names a checkpoint stores, the same at
+    every pipeline layout."""
+    e = entries[i]
+    if isinstance(e, Tied):
+        if e.key not in tied:
+            tied[e.key] = _build(e.source, None if seed is None else seed + first_of[e.key])
+    else:
+        layers[str(i)] = _build(e, None if seed is None else seed + i)
+
+
+def first_indices(entries: Sequence[Entry]) -> dict[str, int]:
+    """Each tied key's first index in ``entries``."""
+    first: dict[str, int] = {}
+    for i, e in enumerate(entries):
+        if isinstance(e, Tied):
+            first.setdefault(e.key, i)
+    return first
+
+
+def run_entries(
+    entries: Sequence[Entry],
+    indices: range,
+    layers: nn.ModuleDict,
+    tied: nn.ModuleDict,
+    x: torch.Tensor,
+) -> torch.Tensor:
+    """``x`` through ``entries[i]`` for ``i`` in ``indices``, in order."""
+    for i in indices:
+        e = entries[i]
+        if isinstance(e, Tied):
+            module = tied[e.key]
+            x = e.forward_fn(module, x) if e.forward_fn is not None else module(x)
+        else:
+            x = layers[str(i)](x)
+    return x
+
+
 class PipelineModule(nn.Module):
     """The layers of this pp rank's stages (``virtual_stages`` chunks per rank, stage ``s`` on
     pp rank ``s % pp``).
@@ -136,12 +193,7 @@ class PipelineModule(nn.Module):
         seed: int | None = None,
     ) -> None:
         super().__init__()
-        entries = list(layers)
-        for i, e in enumerate(entries):
-            if not isinstance(e, (nn.Module, LayerSpec, Tied)):
-                raise TypeError(
-                    f"layers[{i}] is {type(e).__name__}; allowed: nn.Module, LayerSpec, Tied"
-                )
+        entries = check_entries(layers)
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable: loss_fn(output, target) -> loss")
         self.mesh, self.loss_fn, self.virtual_stages = mesh, loss_fn, virtual_stages
@@ -155,24 +207,12 @@ class PipelineModule(nn.Module):
         self._entries = entries
         self.layers = nn.ModuleDict()
         self.tied = nn.ModuleDict()
-        self._tied_first: dict[str, int] = {}
-        for i, e in enumerate(entries):
-            if isinstance(e, Tied):
-                self._tied_first.setdefault(e.key, i)
+        self._tied_first = first_indices(entries)
         for stage in self.stage_ids:
             for i in range(self.bounds[stage], self.bounds[stage + 1]):
-                self._build_entry(i, seed)
+                build_entry(entries, i, self.layers, self.tied, self._tied_first, seed)
         self._tied_groups = self._form_tied_groups()
         self._broadcast_tied()
-
-    def _build_entry(self, i: int, seed: int | None) -> None:
-        e = self._entries[i]
-        if isinstance(e, Tied):
-            if e.key not in self.tied:
-                first = self._tied_first[e.key]
-                self.tied[e.key] = _build(e.source, None if seed is None else seed + first)
-        else:
-            self.layers[str(i)] = _build(e, None if seed is None else seed + i)
 
     def stage_of_layer(self, i: int) -> int:
         return next(s for s in range(self.num_stages) if self.bounds[s] <= i < self.bounds[s + 1])
@@ -224,6 +264,22 @@ class PipelineModule(nn.Module):
                 grads.append(p.grad)
             ops.all_reduce_coalesced(grads, op="sum", group=g)
 
+    def tied_group_of(self, param: torch.Tensor) -> comm.Group | None:
+        """The group of pp ranks holding copies of tied parameter ``param`` (None: not tied,
+        or held by this rank alone); its first rank holds the saved copy."""
+        for key, g in self._tied_groups.items():
+            if any(param is p for p in self.tied[key].parameters()):
+                return g
+        return None
+
+    def is_tied_copy(self, name: str) -> bool:
+        """Whether state-dict key ``name`` belongs to a tied module whose saved copy is on
+        another pp rank."""
+        return any(
+            name.startswith(f"tied.{key}.") and self.tied_holders(key)[0] != self.pp_rank
+            for key in self._tied_groups
+        )
+
     def tied_copies(self) -> list[nn.Parameter]:
         """Tied parameters whose saved copy is on another pp rank (this rank is a holder but
         not the first): count them once, e.g. in the gradient norm."""
@@ -238,14 +294,8 @@ class PipelineModule(nn.Module):
         """Run ``x`` through the layers of ``stage`` (one of this rank's)."""
         if stage not in self.stage_ids:
             raise ValueError(f"stage {stage} is not on pp rank {self.pp_rank} ({self.stage_ids})")
-        for i in range(self.bounds[stage], self.bounds[stage + 1]):
-            e = self._entries[i]
-            if isinstance(e, Tied):
-                module = self.tied[e.key]
-                x = e.forward_fn(module, x) if e.forward_fn is not None else module(x)
-            else:
-                x = self.layers[str(i)](x)
-        return x
+        indices = range(self.bounds[stage], self.bounds[stage + 1])
+        return run_entries(self._entries, indices, self.layers, self.tied, x)
 
     def stage_parameters(self, stage: int) -> list[nn.Parameter]:
         """The parameters ``stage`` uses (a tied module's once)."""

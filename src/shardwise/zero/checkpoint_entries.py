@@ -16,7 +16,8 @@ names (state-dict aliases) are kept in the trainer state, not stored twice.
 Who writes what: a flat buffer's ``[shard_start, shard_stop)`` is this rank's to write. At stages
 1-3 the master holds exactly that range; at stage 0 every rank holds the whole flat, and writing
 only that part shares the write bandwidth over the ranks. Parameters outside flat buffers
-(frozen ones at stages 0-2, replicated) are split evenly over the ranks. Buffers: rank 0. A
+(frozen ones at stages 0-2, replicated) are split evenly over the ranks. Buffers: the ranks the
+engine names (one holder of each). A
 parameter's part of a flat range is a flat range of the parameter, saved as its few boxes
 (``entries_of_flat_range``).
 
@@ -192,31 +193,36 @@ def replicated_entries(
     rank: int,
     size: int,
     layouts: Layouts,
-    buffers: bool,
+    buffers: Mapping[str, torch.Tensor],
 ) -> list[ShardEntry]:
     """This rank's part of each parameter outside flat buffers (an even flat split over the
-    ``size`` ranks) and, with ``buffers`` (one rank of the save), every buffer whole."""
+    ``size`` ranks) and ``buffers`` (those this rank writes, by name) whole."""
     entries = []
     for name, p in outside_params(module, flats):
         lo, hi = even_range(p.numel(), size, rank)
         flat = _fp32(p.detach().reshape(-1)[lo:hi])
         entries += range_entries(model_key(name), layout_of(layouts, p), lo, flat)
-    if buffers:
-        for name, b in names.buffers.items():
-            whole = _fp32(b.detach())
-            entries.append(ShardEntry(buffer_key(name), tuple(b.shape), (0,) * b.dim(), whole))
+    for name, b in buffers.items():
+        whole = _fp32(b.detach())
+        entries.append(ShardEntry(buffer_key(name), tuple(b.shape), (0,) * b.dim(), whole))
     return entries
 
 
-def check_model_matches(
-    reader: CheckpointReader, module: nn.Module, names: ModelNames, layouts: Layouts
-) -> None:
-    """Every parameter (at its global shape) and buffer is stored with its shape, and nothing
-    else is; else ValueError naming the first differences."""
+def expected_entries(
+    module: nn.Module, names: ModelNames, layouts: Layouts
+) -> dict[str, tuple[int, ...]]:
+    """The stored name and global shape of every parameter and buffer of ``module``."""
     expected = {
         model_key(n): layout_of(layouts, p).global_shape for n, p in module.named_parameters()
     }
     expected.update({buffer_key(n): tuple(b.shape) for n, b in names.buffers.items()})
+    return expected
+
+
+def check_model_matches(reader: CheckpointReader, expected: Mapping[str, tuple[int, ...]]) -> None:
+    """Every parameter and buffer of ``expected`` (``expected_entries``, of the whole model)
+    is stored with its shape, and nothing else is; else ValueError naming the first
+    differences."""
     stored = {
         n: reader.global_shape(n)
         for n in reader.names()
