@@ -105,6 +105,9 @@ class Config:
     """A PipelineModule: micro-batches per accumulation step of ``train_batch``."""
     pipeline_virtual_stages: int = 1
     """A PipelineModule: stages per pp rank (more than 1 for interleaved_1f1b)."""
+    pipeline_zero3_regather: bool = True
+    """A PipelineModule at ZeRO-3: all_gather a stage's parameters for each micro-batch's
+    forward and again for its backward (True), or once per step, kept until the step ends."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form values for the user's own scripts (not read by shardwise)."""
 

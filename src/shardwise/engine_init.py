@@ -45,7 +45,7 @@ def initialize(
         config: a ``Config`` or a dict of its keys.
         group: a ``Group`` (data parallel over it) or a ``Mesh`` (required for a
             ``shardwise.pipeline.PipelineModule``, which returns a ``PipelineEngine`` with
-            ``train_batch`` / ``eval_batch``; ZeRO 0-2, fp32, bf16 or fp16).
+            ``train_batch`` / ``eval_batch``; ZeRO 0-3, fp32, bf16 or fp16).
         lr_scheduler: a callable ``optimizer -> scheduler``, stepped with the optimizer.
 
     Communicates: one all_gather of 8 bytes per rank (the structure check), broadcasts of every

@@ -1,4 +1,4 @@
-"""The engine of a pipeline-parallel model: ZeRO 0-2 over the dp axis of each stage, one
+"""The engine of a pipeline-parallel model: ZeRO 0-3 over the dp axis of each stage, one
 optimizer step per ``train_batch``, in fp32, bf16 or fp16 (fp32 master weights; fp16 with a
 dynamic loss scale whose overflow decision every rank of the mesh agrees on).
 
@@ -26,7 +26,7 @@ from shardwise.pipeline.stage import PipelineModule
 from shardwise.placement import Placement
 from shardwise.zero import optimizer as zero_opt
 
-SUPPORTED_STAGES = (0, 1, 2)
+SUPPORTED_STAGES = (0, 1, 2, 3)
 
 
 def check_pipeline_config(pipe: PipelineModule, config: Config, group: Any) -> None:
@@ -44,7 +44,7 @@ def check_pipeline_config(pipe: PipelineModule, config: Config, group: Any) -> N
     if config.zero_stage not in SUPPORTED_STAGES:
         raise ValueError(
             f"zero_stage={config.zero_stage} is not supported with a PipelineModule; supported: "
-            f"zero_stage 0, 1 or 2 (over the dp axis of each stage)"
+            f"zero_stage 0, 1, 2 or 3 (over the dp axis of each stage)"
         )
     if config.pipeline_virtual_stages != pipe.virtual_stages:
         raise ValueError(
@@ -60,8 +60,15 @@ class PipelineEngine(Engine):
 
     Gradients accumulate over every micro-batch of the step unreduced; then the tied weights'
     gradients are summed over their holders (one all_reduce per tied key), then each stage's
-    gradients are reduced over dp (stage 0 all_reduce, stages 1-2 reduce_scatter) once per
+    gradients are reduced over dp (stage 0 all_reduce, stages 1-3 reduce_scatter) once per
     step. The gradient norm counts a tied weight once and sums over every pp rank.
+
+    At ZeRO-3 a stage's parameters are shards between uses. With
+    ``Config(pipeline_zero3_regather=True)`` each micro-batch's forward gathers them and frees
+    them after, and its backward gathers them again and frees them once done (nothing held
+    between uses); with False they are gathered once at the start of
+    ``train_batch`` and kept until every micro-batch's backward is done (one all_gather per
+    buffer per step, the whole stage's parameters held meanwhile).
 
     In bf16 / fp16 each stage computes and sends activations and gradients in that dtype and
     steps fp32 master weights (as ``Engine``). In fp16 the last stage's loss is multiplied by
@@ -84,6 +91,10 @@ class PipelineEngine(Engine):
         self.executor = PipelineExecutor(
             pipe, config.pipeline_schedule, config.pipeline_microbatches
         )
+        schedule = self._schedule
+        if schedule is not None and config.pipeline_zero3_regather:
+            # each micro-batch's backward gathered what it used: free it until the next use
+            self.executor.after_backward = lambda: schedule.finish_backward(self.flats)
 
     def _overflow_group(self) -> Group | None:
         """Every rank of the mesh steps together: all of them agree on fp16 overflow."""
@@ -134,14 +145,27 @@ class PipelineEngine(Engine):
         with the norm over all stages; fp16: skipped everywhere on overflow). Returns
         the batch's mean loss averaged over dp, on every rank. Communicates: the schedule's
         send/recv, one all_reduce per tied key, the dp reduction of every gradient buffer, the
-        step's collectives (see ``zero.step``), the loss (4 bytes over pp and over dp)."""
+        step's collectives (see ``zero.step``; fp16: one 4-byte all_reduce over the whole mesh
+        for the overflow decision), the loss (4 bytes over pp and over dp); ZeRO-3: an
+        all_gather per flat buffer for each micro-batch's forward and backward
+        (``pipeline_zero3_regather``), or once per step."""
         xs, ys = self._chunks(x, "input"), self._chunks(y, "target")
         accum = len(xs)
         self.reducer.begin(False, last=True)
         total = torch.zeros((), dtype=torch.float32)
         grad_scale = self.scaler.scale / accum
-        for xk, yk in zip(xs, ys):
-            total += self.executor.train_batch(xk, yk, grad_scale=grad_scale, reduce_tied=False)
+        sched = self._schedule
+        kept = sched if sched is not None and not self.config.pipeline_zero3_regather else None
+        if kept is not None:  # ZeRO-3, gathered once for every micro-batch of the step
+            kept.hold()
+        try:
+            for xk, yk in zip(xs, ys):
+                total += self.executor.train_batch(xk, yk, grad_scale=grad_scale, reduce_tied=False)
+        finally:
+            if kept is not None:
+                kept.unhold()
+            if sched is not None:
+                sched.finish_backward(self.flats)
         self.pipe.reduce_tied_grads(self.reducer.full_grad)
         self.reducer.reduce_all()
         self.micro_step += accum

@@ -133,11 +133,11 @@ def _check(results: list[dict], curves: list[tuple[str, int]]) -> None:
 
 @pytest.mark.parametrize(
     "world, dp, curves, poisoned_stage",
-    [(2, 1, [("bf16", 0)], 0), (4, 2, [("bf16", 1)], 2)],
+    [(2, 1, [("bf16", 0)], 0), (4, 2, [("bf16", 1), ("bf16", 3)], 2)],
     ids=["pp2", "dp2xpp2"],
 )
 def test_pipeline_mixed_precision(world, dp, curves, poisoned_stage) -> None:
-    """bf16 over a pipeline (ZeRO 0 at pp2, 1 at dp2 x pp2) follows the flat single-process bf16
+    """bf16 over a pipeline (ZeRO 0 at pp2, 1 and 3 at dp2 x pp2) follows the flat single-process bf16
     engine within the mixed-precision tolerance, with fp32 masters; fp16 with an inf on one
     rank of one stage: every rank skips that step and halves the scale, then trains on."""
     results = run_on_ranks(world, _task, dp, curves, poisoned_stage, timeout_s=900)

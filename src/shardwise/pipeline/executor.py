@@ -9,6 +9,7 @@ whole batch in one process: each micro-batch's mean loss is scaled by ``grad_sca
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +106,8 @@ class PipelineExecutor:
         self.channel = Channel(pipe.pp_group)
         self.steps = 0
         self.last_step = StepTimes()
+        # called after each backward action (B, I, W): e.g. ZeRO-3 frees what it gathered
+        self.after_backward: Callable[[], None] | None = None
         self._peer = {r: pipe.mesh.rank_of(r, *self._dp_tp()) for r in range(pipe.pp_size)}
 
     def _dp_tp(self) -> tuple[int, int]:
@@ -184,10 +187,13 @@ class PipelineExecutor:
         elif a.kind is Kind.RECV_GRAD:
             g = self.channel.recv_gradient(a.stage, a.mb, self._peer[a.peer])
             st.out_grads[(a.stage - 1, a.mb)] = g
-        elif a.kind in (Kind.B, Kind.I):
-            self._backward_input(a.stage, a.mb, st, full=a.kind is Kind.B)
         else:
-            self._backward_weight(a.stage, a.mb, st)
+            if a.kind in (Kind.B, Kind.I):
+                self._backward_input(a.stage, a.mb, st, full=a.kind is Kind.B)
+            else:
+                self._backward_weight(a.stage, a.mb, st)
+            if self.after_backward is not None:
+                self.after_backward()
 
     def _forward(self, stage: int, mb: int, st: _StepState) -> None:
         inp = st.x[mb] if stage == 0 else st.inputs.pop((stage, mb))

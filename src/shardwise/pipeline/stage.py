@@ -291,11 +291,12 @@ class PipelineModule(nn.Module):
         ]
 
     def forward_stage(self, stage: int, x: torch.Tensor) -> torch.Tensor:
-        """Run ``x`` through the layers of ``stage`` (one of this rank's)."""
+        """Run ``x`` through the layers of ``stage`` (one of this rank's), as one call of this
+        module (its hooks, e.g. ZeRO-3's gathering, see the whole stage)."""
         if stage not in self.stage_ids:
             raise ValueError(f"stage {stage} is not on pp rank {self.pp_rank} ({self.stage_ids})")
-        indices = range(self.bounds[stage], self.bounds[stage + 1])
-        return run_entries(self._entries, indices, self.layers, self.tied, x)
+        out: torch.Tensor = self(x, stage=stage)
+        return out
 
     def stage_parameters(self, stage: int) -> list[nn.Parameter]:
         """The parameters ``stage`` uses (a tied module's once)."""
@@ -310,11 +311,15 @@ class PipelineModule(nn.Module):
                 seen.setdefault(id(p), p)
         return list(seen.values())
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            "a PipelineModule runs through a schedule: use shardwise.pipeline.PipelineExecutor "
-            "(or forward_stage for one stage)"
-        )
+    def forward(self, x: Any = None, *, stage: int | None = None) -> torch.Tensor:
+        """One stage's layers (called by ``forward_stage``, which checks ``stage``)."""
+        if stage is None:
+            raise RuntimeError(
+                "a PipelineModule runs through a schedule: use shardwise.pipeline."
+                "PipelineExecutor (or forward_stage for one stage)"
+            )
+        indices = range(self.bounds[stage], self.bounds[stage + 1])
+        return run_entries(self._entries, indices, self.layers, self.tied, x)
 
     def stage_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's weights under the whole model's names: ``layers.{i}.{name}`` by index in

@@ -288,6 +288,19 @@ class ParamSchedule:
         if id(module) in self._units:
             self._prefetch_after(module, backward=True)
 
+    def hold(self) -> None:
+        """Gather every buffer now and keep it gathered through forward passes and backward
+        until ``unhold`` (a pipeline stage that runs many micro-batches per step then gathers
+        once per step). Communicates: an all_gather per buffer not yet gathered."""
+        self._acquire(self.flats)
+
+    def unhold(self) -> None:
+        """End ``hold``: buffers no call is using go back to their shards."""
+        for f in self.flats:
+            self._refs[f] -= 1
+        for f in self.flats:
+            self._free_if_idle(f)
+
     def finish_forward_recording(self) -> None:
         self._recording = False
 
