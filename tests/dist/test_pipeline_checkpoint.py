@@ -67,9 +67,9 @@ def _continue_pipe(root: str, pp: int, dp: int, stage: int) -> dict:
 
 
 def _save_then_pp4(root: str) -> dict:
-    """Save at dp2 x pp2 (ZeRO 1) after ``SAVED_AT`` steps; continue at pp4 (ZeRO 0)."""
+    """Save at dp2 x pp2 (ZeRO 3) after ``SAVED_AT`` steps; continue at pp4 (ZeRO 0)."""
     torch.set_num_threads(1)
-    mesh, engine = _pipe_engine(2, 2, 1)
+    mesh, engine = _pipe_engine(2, 2, 3)
     before = _pipe_steps(mesh, engine, range(SAVED_AT))
     engine.save(root)
     return {"before": before, "pp4": _continue_pipe(root, 4, 1, 0)}
@@ -135,10 +135,10 @@ def _check_continued(out: dict, losses: list[float], want: dict[str, torch.Tenso
 
 
 def test_pipeline_checkpoint_continues_at_other_layouts(tmp_path: Path) -> None:
-    """Saved at dp2 x pp2, loaded at pp4, at pp2 (another dp and ZeRO stage) and into a plain
-    engine on the ``LayerStack`` of the same layers: the continued losses and weights are the
-    uninterrupted single-process run's; the tied weight is stored once; the plain engine's own
-    checkpoint loads back at pp2; a damaged shard file is refused by name."""
+    """Saved at dp2 x pp2 (ZeRO-3), loaded at pp4, at pp2 (another dp and ZeRO stage) and into
+    a plain engine on the ``LayerStack`` of the same layers: the continued losses and weights
+    are the uninterrupted single-process run's; the tied weight is stored once; the plain
+    engine's own checkpoint loads back at pp2; a damaged shard file is refused by name."""
     losses, want = _reference()
     root = str(tmp_path / "ckpt")
     saved = run_on_ranks(4, _save_then_pp4, root, timeout_s=900)
