@@ -53,6 +53,9 @@ _METADATA: set[Any] = {
     Tensor.register_post_accumulate_grad_hook,
     Tensor.retain_grad,
     Tensor.__hash__,
+    # names the parameters whose gradients to compute (a pipeline's weight-gradient pass);
+    # the values backward reads come through saved tensors, which the schedule gathers
+    torch.autograd.backward,
 }
 
 
