@@ -163,7 +163,7 @@ class Engine:
     def writes_buffer(self, name: str) -> bool:
         """Whether this rank writes buffer ``name`` (a state-dict key) to a checkpoint: one
         holder of its copies, the first rank of the dp group (and of tp in a mesh)."""
-        return self.group.rank == 0 and (self.mesh is None or self.mesh.rank("tp") == 0)
+        return self.dp_group.rank == 0 and (self.mesh is None or self.mesh.rank("tp") == 0)
 
     # ---- training ----
 
