@@ -122,16 +122,30 @@ def _llama_loss(model, x, y):
     return model(input_ids=x, labels=y).loss
 
 
-def llama_parity(tp_size: int, vocab: int, steps: int = 5) -> list[float]:
+def llama_parity(tp_size: int, vocab: int, sp: bool = False, steps: int = 5) -> list[float]:
     mesh = Mesh(dp=-1, tp=tp_size)
     torch.manual_seed(0)
     model = llama_model(vocab)
     ref = copy.deepcopy(model)
     x0, _ = batches(1, vocab)[0]
     ref_logits = ref(input_ids=x0).logits
-    tp = swtp.parallelize(model, mesh, swtp.plans.llama())
+    tp = swtp.parallelize(model, mesh, swtp.plans.llama(), sequence_parallel=sp)
     _close(model(input_ids=x0).logits, ref_logits, "logits")  # lm_head gathers its output
     return train_pair(model, ref, tp, batches(steps, vocab), _llama_loss)
+
+
+def llama_norm_before_entry() -> None:
+    """A plan whose 'sequence' module runs before its 'sequence_entry' fails in forward, naming
+    both, instead of treating a whole-sequence gradient as a 1/tp part."""
+    mesh = Mesh(dp=-1, tp=2)
+    torch.manual_seed(0)
+    model = llama_model(37)
+    plan = dict(swtp.plans.llama())
+    del plan["model.layers.0"]
+    plan["model.layers.1"] = "sequence_entry"  # layer 0's norms now run before the entry
+    swtp.parallelize(model, mesh, plan, sequence_parallel=True)
+    x, _ = batches(1, 37)[0]
+    _expect(RuntimeError, ["'model.layers.0.input_layernorm'", "'model.layers.1'"], model, x)
 
 
 def ce_parity(tp_size: int, vocab: int, smoothing: float, ignore: bool) -> dict:
@@ -321,12 +335,12 @@ def bad_plans(tp_size: int) -> None:
         assert torch.equal(v, before[k]), f"a failed parallelize changed {k}"
 
 
-def _ref_steps(ref, data, clip):
+def _ref_steps(ref, data, clip, loss_of=_gpt_loss):
     """One process on the global batches: losses, gradient norms (before clipping), state."""
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
     losses, norms = [], []
     for x, y in data:
-        loss = ref(x, y)
+        loss = loss_of(ref, x, y)
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(list(ref.parameters()), clip)))
         opt.step()
@@ -343,23 +357,28 @@ def engine_parity(
     recompute: bool = False,
     precision: str = "fp32",
     offload: bool = False,
+    kind: str = "gpt",
 ) -> dict:
     """dp x tp through ``shardwise.initialize`` (ZeRO over dp) vs one process, clipping active.
-    Under bf16 the losses are compared at a bf16 tolerance and the weights not at all."""
+    Under bf16 the losses are compared at a bf16 tolerance and the weights not at all.
+    ``kind``: the built-in GPT, or ``"llama"`` (a tiny HF LlamaForCausalLM)."""
     import shardwise
 
     mesh = Mesh(dp=dp, tp=tp_size)
     torch.manual_seed(0)
-    model = GPT(gpt_config(vocab=37))
+    if kind == "llama":
+        model, loss_of, plan = llama_model(37), _llama_loss, swtp.plans.llama()
+    else:
+        model, loss_of, plan = GPT(gpt_config(vocab=37)), _gpt_loss, tp_plan()
     ref = copy.deepcopy(model)
     data = [
         (torch.cat([b[0] for b in bs]), torch.cat([b[1] for b in bs]))
         for bs in zip(*(batches(5, 37, ignore=False, seed=s) for s in range(dp)))
     ]
     clip = 0.05
-    ref_losses, ref_norms = _ref_steps(ref, data, clip)
+    ref_losses, ref_norms = _ref_steps(ref, data, clip, loss_of)
     assert all(n > clip for n in ref_norms), "clipping must be active"
-    swtp.parallelize(model, mesh, tp_plan(), sequence_parallel=sp)
+    swtp.parallelize(model, mesh, plan, sequence_parallel=sp)
     cfg = shardwise.Config(
         zero_stage=stage,
         gradient_clipping=clip,
@@ -373,7 +392,7 @@ def engine_parity(
     me = mesh.rank("dp")
     memory: dict[str, int] = {}
     for step, (x, y) in enumerate(data):
-        loss = engine(x.chunk(dp)[me], y.chunk(dp)[me])
+        loss = loss_of(engine, x.chunk(dp)[me], y.chunk(dp)[me])
         engine.backward(loss)
         memory = engine.memory()  # gradients held: the step's peak of model states
         engine.step()

@@ -30,6 +30,7 @@ class Region:
         self.group = group
         self.sequence_parallel = sequence_parallel
         self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._whole: WeakIdKeyDictionary = WeakIdKeyDictionary()  # gathered by enter_whole
 
     def enter(self, x: torch.Tensor) -> tuple[torch.Tensor, Regather | None]:
         """Replicated (or, under SP, sequence-sharded) ``x`` -> full input of a column layer,
@@ -39,6 +40,8 @@ class Region:
         parallelism all_gather of dim 1 in forward, reduce_scatter (and the regather's
         all_gather) in backward.
         """
+        if x in self._whole:  # already gathered for a module that needs the whole sequence
+            return x, None
         key = (x._version, torch.is_grad_enabled())
         hit = self._entries.get(x)
         if hit is not None and hit[0] == key:
@@ -53,6 +56,17 @@ class Region:
         # kept while x lives (entered holds no reference to x, so the entry goes with x)
         self._entries[x] = (key, entered, regather)
         return entered, regather
+
+    def enter_whole(self, x: torch.Tensor) -> torch.Tensor:
+        """Under SP, the whole sequence of a sequence-sharded ``x`` for a module whose own code
+        needs it (attention that reshapes by its input's length); the column layers inside take
+        it as it is. Without SP, ``x``. Communicates: under SP all_gather of dim 1 in forward,
+        reduce_scatter in backward (summing the column layers' input gradients over tp)."""
+        if not self.sequence_parallel:
+            return x
+        whole = mappings.gather_sequence(x, self.group)
+        self._whole[whole] = True
+        return whole
 
     def leave(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum partial outputs over tp: all_reduce, or reduce_scatter of dim 1 under SP."""
@@ -143,10 +157,12 @@ class VocabParallelEmbedding(nn.Embedding):
     """Embedding whose rows (the vocabulary) are split over tp, padded to a multiple of tp.
 
     Ids outside this rank's rows look up nothing (zeros); the partial lookups are summed over tp
-    (all_reduce, or reduce_scatter of the sequence under SP).
+    (all_reduce, or reduce_scatter of the sequence under SP unless ``whole_output``).
     """
 
-    def __init__(self, emb: nn.Embedding, region: Region, full_vocab: int) -> None:
+    def __init__(
+        self, emb: nn.Embedding, region: Region, full_vocab: int, whole_output: bool = False
+    ) -> None:
         nn.Module.__init__(self)
         if emb.max_norm is not None or emb.sparse or emb.scale_grad_by_freq:
             raise ValueError(
@@ -159,6 +175,7 @@ class VocabParallelEmbedding(nn.Embedding):
         self.max_norm, self.norm_type = None, emb.norm_type
         self.scale_grad_by_freq, self.sparse = False, False
         self.region = region
+        self.whole_output = whole_output
         chunk = self.weight.shape[0]
         self.start = region.group.rank * chunk
         self.real = max(0, min(chunk, full_vocab - self.start))
@@ -173,6 +190,8 @@ class VocabParallelEmbedding(nn.Embedding):
         outside = (local < 0) | (local >= self.real)
         out = F.embedding(local.masked_fill(outside, 0), self.weight, self._local_pad)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # [..., embedding_dim], partial
+        if self.whole_output:
+            return mappings.reduce_from_tp(out, self.region.group)
         return self.region.leave(out)
 
     def extra_repr(self) -> str:

@@ -10,6 +10,8 @@ sec. 3, the f and g operators; Korthikanti et al. 2022, sec. 4.2.2, for the sequ
     scatter_sequence   reduce_scatter (seq)| all_gather (seq)
     slice_sequence     take this rank's    | pad the gradient with zeros (the parameters behind
                        slice of the seq    | it are replicated and reduced over tp at step end)
+    split_sequence     take this rank's    | all_gather (seq): every rank's input gets the whole
+                       slice of the seq    | sequence's gradient
 
 Every collective goes through ``shardwise.comm.ops`` with the tp group passed explicitly, so all
 bytes are counted in ``comm_stats()``. The sequence dim of an activation is dim 1
@@ -135,6 +137,17 @@ class _SliceSequence(torch.autograd.Function):
         return full, None, None
 
 
+class _SplitSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return _my_slice(x, SEQ_DIM, group).clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return gather_dim(grad, SEQ_DIM, ctx.group), None
+
+
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Enter a tp region with a replicated input: identity; backward all_reduces the grad."""
     return _CopyToTP.apply(x, group) if group.size > 1 else x
@@ -165,3 +178,9 @@ def scatter_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
 def slice_sequence(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """This rank's slice of a replicated tensor along ``dim``; no communication either way."""
     return _SliceSequence.apply(x, dim, group) if group.size > 1 else x
+
+
+def split_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Enter a sequence-parallel region from a replicated tensor: this rank's slice of dim 1;
+    backward all_gather of dim 1 (what produced ``x`` gets the whole sequence's gradient)."""
+    return _SplitSequence.apply(x, group) if group.size > 1 else x

@@ -18,6 +18,7 @@ from torch import nn
 from shardwise.mesh import Mesh
 from shardwise.placement import mark_sharded
 from shardwise.tp import mappings, rng, state
+from shardwise.tp.entry import SequenceEntries, gather_on_entry
 from shardwise.tp.layers import (
     ColumnParallelLinear,
     Region,
@@ -25,7 +26,7 @@ from shardwise.tp.layers import (
     VocabParallelEmbedding,
 )
 from shardwise.tp.placement import TPPlacement
-from shardwise.tp.plan import resolve
+from shardwise.tp.plan import PLACE_STYLES, resolve
 
 
 class TensorParallel:
@@ -39,6 +40,7 @@ class TensorParallel:
         self.tp_size, self.tp_rank = mesh.tp_size, mesh.rank("tp")
         self.sequence_parallel = sequence_parallel
         self.region = Region(self.group, sequence_parallel)
+        self.entries: SequenceEntries | None = None  # the plan's sequence_entry modules, under SP
         self._by_id: dict[int, TPPlacement] = {}
 
     # ---- placements ---------------------------------------------------------------------
@@ -137,6 +139,8 @@ def _validate(model: nn.Module, styles: dict[str, str], tp_size: int, sp: bool) 
     covered: set[int] = set()  # parameters sharded, or replicated inside a 'sequence' module
     for name, style in styles.items():
         m = modules[name]
+        if style in PLACE_STYLES:  # a place in the forward, not a way to hold parameters
+            continue
         covered |= {id(p) for p in m.parameters()}
         if style == "rowwise" and m.in_features % tp_size:
             what = f"in_features={m.in_features}"
@@ -167,6 +171,8 @@ def _layouts(m: nn.Module, style: str) -> list[tuple[str, torch.Tensor, int | No
         return [(n, p, 0) for n, p in m.named_parameters(recurse=False)]
     if style == "rowwise":
         return [(n, p, 1 if n == "weight" else None) for n, p in m.named_parameters(recurse=False)]
+    if style in PLACE_STYLES:  # a place in the forward: its parameters are its children's
+        return []
     return [(n, p, None) for n, p in m.named_parameters()]
 
 
@@ -200,7 +206,8 @@ def _apply_linear(tp: TensorParallel, name: str, m: nn.Linear, style: str) -> No
 
 def _apply_embedding(tp: TensorParallel, name: str, m: nn.Embedding) -> None:
     tp._shard(m.weight, f"{name}.weight", (m.num_embeddings, m.embedding_dim), 0)
-    _replace(tp.model, name, VocabParallelEmbedding(m, tp.region, m.num_embeddings))
+    whole = tp.entries is not None  # the region starts later, at the plan's entry
+    _replace(tp.model, name, VocabParallelEmbedding(m, tp.region, m.num_embeddings, whole))
 
 
 def _apply_sequence(tp: TensorParallel, name: str, m: nn.Module) -> None:
@@ -209,6 +216,9 @@ def _apply_sequence(tp: TensorParallel, name: str, m: nn.Module) -> None:
             tp._replicate(p, pname, partial=tp.sequence_parallel)
     if not tp.sequence_parallel or tp.tp_size == 1:
         return
+    entries = tp.entries
+    if entries is not None:
+        m.register_forward_pre_hook(lambda mod, args: entries.check_inside(name))
     if isinstance(m, nn.Embedding):  # e.g. positions: keep this rank's slice of the sequence
         group = tp.group
         m.register_forward_hook(
@@ -252,9 +262,18 @@ def parallelize(
     _validate(model, styles, mesh.tp_size, bool(sequence_parallel))
     modules = dict(model.named_modules())
     tp = TensorParallel(model, mesh, bool(sequence_parallel))
+    entry_names = [n for n, s in styles.items() if s == "sequence_entry"]
+    if entry_names and tp.sequence_parallel and tp.tp_size > 1:
+        tp.entries = SequenceEntries(model, tp.group, entry_names)
     order = sorted(styles, key=lambda n: styles[n] != "vocab_embedding")  # embeddings first
     for name in order:
         style, module = styles[name], modules[name]
+        if style == "sequence_entry":
+            continue  # wired above (nothing to do without sequence parallelism)
+        if style == "whole_sequence":
+            if tp.sequence_parallel and tp.tp_size > 1:
+                gather_on_entry(module, name, tp.region)
+            continue
         if style == "vocab_embedding":
             _apply_embedding(tp, name, module)
         elif style == "sequence":

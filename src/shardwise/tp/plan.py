@@ -12,12 +12,31 @@ from collections.abc import Mapping
 
 from torch import nn
 
-STYLES = ("colwise", "rowwise", "colwise_gather", "vocab_embedding", "sequence")
+STYLES = (
+    "colwise",
+    "rowwise",
+    "colwise_gather",
+    "vocab_embedding",
+    "sequence",
+    "sequence_entry",
+    "whole_sequence",
+)
 """colwise: Linear split on the output features (output stays split).
 rowwise: Linear split on the input features (output summed over tp).
 colwise_gather: colwise whose output is gathered to full width.
 vocab_embedding: Embedding split on the vocabulary (padded when it does not divide by tp).
-sequence: a replicated module that runs inside a sequence-parallel region (norms, dropout)."""
+sequence: a replicated module that runs inside a sequence-parallel region (norms, dropout).
+sequence_entry: a module whose first positional input is the whole sequence (e.g. the first
+    decoder layer of a model that derives positions and masks from the embedding's length):
+    under sequence parallelism that input is split along the sequence as the module is entered
+    (its other inputs stay whole), and the vocab embedding's output stays whole (all_reduce).
+whole_sequence: a module whose own code needs the whole sequence (attention that reshapes its
+    projections by its input's length): under sequence parallelism its first positional (or
+    ``hidden_states``) input is gathered on entry, and its column-parallel layers take it as is.
+PLACE_STYLES (sequence_entry, whole_sequence) mark places in the forward; the parameters of
+such a module belong to its children's styles."""
+
+PLACE_STYLES = ("sequence_entry", "whole_sequence")
 
 LINEAR_STYLES = ("colwise", "rowwise", "colwise_gather")
 
