@@ -94,12 +94,12 @@ def _poisoned(mesh: shardwise.Mesh, stage: int) -> list[tuple]:
     return record
 
 
-def _task(dp: int, curves: list[tuple[str, int]], poisoned_stage: int) -> dict:
+def _task(dp: int, curves: list[tuple[str, int]], poisoned_stages: list[int]) -> dict:
     torch.set_num_threads(1)
     mesh = shardwise.Mesh(pp=shardwise.world_size() // dp, dp=dp)
     return {
         "curves": [_curve(mesh, precision, stage) for precision, stage in curves],
-        "poisoned": _poisoned(mesh, poisoned_stage),
+        "poisoned": [_poisoned(mesh, stage) for stage in poisoned_stages],
     }
 
 
@@ -121,8 +121,8 @@ def _check(results: list[dict], curves: list[tuple[str, int]]) -> None:
             assert max(rel) < TOLERANCE[precision], (curves[i], rel)
             assert got["skipped"] == 0 and got["master_fp32"]
             assert got["compute"] == {torch.bfloat16}
-    for out in results:
-        for step, (steps_done, before, after, changed) in enumerate(out["poisoned"]):
+    for record in (r for out in results for r in out["poisoned"]):
+        for step, (steps_done, before, after, changed) in enumerate(record):
             if step == POISONED_STEP:  # every rank skips and halves the scale
                 assert (steps_done, after, changed) == (step, before / 2, False), step
             else:
@@ -132,13 +132,14 @@ def _check(results: list[dict], curves: list[tuple[str, int]]) -> None:
 
 
 @pytest.mark.parametrize(
-    "world, dp, curves, poisoned_stage",
-    [(2, 1, [("bf16", 0)], 0), (4, 2, [("bf16", 1), ("bf16", 3)], 2)],
+    "world, dp, curves, poisoned_stages",
+    [(2, 1, [("bf16", 0)], [0]), (4, 2, [("bf16", 1), ("bf16", 3)], [2, 3])],
     ids=["pp2", "dp2xpp2"],
 )
-def test_pipeline_mixed_precision(world, dp, curves, poisoned_stage) -> None:
-    """bf16 over a pipeline (ZeRO 0 at pp2, 1 and 3 at dp2 x pp2) follows the flat single-process bf16
-    engine within the mixed-precision tolerance, with fp32 masters; fp16 with an inf on one
-    rank of one stage: every rank skips that step and halves the scale, then trains on."""
-    results = run_on_ranks(world, _task, dp, curves, poisoned_stage, timeout_s=900)
+def test_pipeline_mixed_precision(world, dp, curves, poisoned_stages) -> None:
+    """bf16 over a pipeline (ZeRO 0 at pp2, 1 and 3 at dp2 x pp2) follows the flat
+    single-process bf16 engine within the mixed-precision tolerance, with fp32 masters; fp16
+    (ZeRO 0 at pp2, 2 and 3 at dp2 x pp2) with an inf on one rank of one stage: every rank
+    skips that step and halves the scale, then trains on."""
+    results = run_on_ranks(world, _task, dp, curves, poisoned_stages, timeout_s=900)
     _check(results, curves)
