@@ -1,9 +1,8 @@
 """An engine checkpoint as plain model weights: read, export, describe, and start from them.
 
-:func:`read_model_state` returns every key of the plain model's ``state_dict()`` (parameters in
-fp32, tied aliases included), :func:`export_model_state` writes it to one safetensors file, and
-:func:`load_pretrained` starts an engine from such a file, a state dict or a checkpoint. None of
-them needs a process group.
+:func:`load_pretrained` starts an engine from full weights: a state dict, a safetensors file
+(e.g. from ``shardwise.checkpoint.export_consolidated``) or a checkpoint, read with
+``shardwise.checkpoint.read_consolidated``. None of them needs a process group.
 """
 
 from __future__ import annotations
@@ -14,42 +13,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from shardwise.checkpoint.files import save_safetensors
 from shardwise.checkpoint.layout import CheckpointError
 from shardwise.checkpoint.reader import CheckpointReader
+from shardwise.checkpoint.tools import read_consolidated
 from shardwise.engine_run_state import ENGINE_FORMAT, CheckpointableEngine
-from shardwise.zero.checkpoint_entries import BUFFER_PREFIX, MODEL_PREFIX, ModelNames
+from shardwise.zero.checkpoint_entries import ModelNames
 
 log = logging.getLogger("shardwise.checkpoint")
-
-
-def read_model_state(path: Path | str) -> dict[str, torch.Tensor]:
-    """The full model state of a checkpoint (a step dir or a root: its latest), verified first:
-    every key of the plain model's ``state_dict()``, parameters in fp32, tied aliases as
-    separate copies. Needs no process group."""
-    out: dict[str, torch.Tensor] = {}
-    with CheckpointReader(path, verify=True) as reader:
-        for name in reader.names():
-            for prefix in (MODEL_PREFIX, BUFFER_PREFIX):
-                if name.startswith(prefix):
-                    out[name[len(prefix) :]] = reader.read_full(name)
-        for alias, first in reader.trainer_state.get("aliases", {}).items():
-            out[alias] = out[first].clone()
-    if not out:
-        raise ValueError(f"{path} holds no model/ or buffer/ tensors; nothing to read")
-    return out
-
-
-def export_model_state(path: Path | str, out_file: Path | str) -> list[str]:
-    """Write ``read_model_state(path)`` to one safetensors file (temp name, fsync, rename).
-
-    The file loads into the plain model with
-    ``model.load_state_dict(safetensors.torch.load_file(out_file))`` (strict). Returns the keys.
-    """
-    state = read_model_state(path)
-    save_safetensors(out_file, state)
-    log.info("exported %d tensors of %s to %s", len(state), path, out_file)
-    return sorted(state)
 
 
 def load_pretrained(
@@ -57,7 +27,7 @@ def load_pretrained(
 ) -> None:
     """Start ``engine`` from full model weights; call on every rank (each reads all of them).
 
-    Accepts a state dict, a ``.safetensors`` file (e.g. from ``export_model_state``), a
+    Accepts a state dict, a ``.safetensors`` file (e.g. from ``export_consolidated``), a
     ``torch.save``'d state dict, or a checkpoint directory (its weights only). Tied aliases the
     source lacks are filled from the name it has. Only weights and buffers change: optimizer
     states, steps and scheduler are left as they are (empty right after ``initialize``).
@@ -69,7 +39,7 @@ def load_pretrained(
     else:
         p = Path(src)
         if p.is_dir():
-            state = read_model_state(p)
+            state = read_consolidated(p)
         elif p.suffix == ".safetensors" and p.is_file():
             state = load_file(str(p))
         elif p.is_file():

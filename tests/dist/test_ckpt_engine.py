@@ -13,7 +13,7 @@ import zero_cases as zc
 from safetensors.torch import load_file
 
 from shardwise.checkpoint import CheckpointReader
-from shardwise.engine_weights import export_model_state
+from shardwise.checkpoint import export_consolidated
 from shardwise.testing import run_on_ranks
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -41,23 +41,29 @@ RESHARD = [
 ]
 
 
-@pytest.mark.parametrize("n,m,stage_a,stage_b,opt,frozen", RESHARD,
-                         ids=[f"{c[0]}to{c[1]}-stage{c[2]}to{c[3]}-{c[4]}" for c in RESHARD])
+@pytest.mark.parametrize(
+    "n,m,stage_a,stage_b,opt,frozen",
+    RESHARD,
+    ids=[f"{c[0]}to{c[1]}-stage{c[2]}to{c[3]}-{c[4]}" for c in RESHARD],
+)
 def test_reshard_matches_uninterrupted_reference(tmp_path, n, m, stage_a, stage_b, opt, frozen):
     root, k, steps = str(tmp_path / "c"), 2, 4
     ref_losses, ref_state, _ = zc.reference("gpt", opt, cc.PARTS, steps, 1, None, frozen)
     first = run_on_ranks(n, cc.save_phase, stage_a, opt, frozen, root, k)
     second = run_on_ranks(m, cc.load_phase, stage_b, opt, frozen, root, steps)
-    torch.testing.assert_close(torch.tensor(first[0]), torch.tensor(ref_losses[:k]),
-                               rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(
+        torch.tensor(first[0]), torch.tensor(ref_losses[:k]), rtol=RTOL, atol=ATOL
+    )
     for losses, state, start in second:
         assert start == k
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[k:]),
-                                   rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses[k:]), rtol=RTOL, atol=ATOL
+        )
         assert state.keys() == ref_state.keys()
         for name, v in ref_state.items():
-            torch.testing.assert_close(state[name], v, rtol=RTOL, atol=ATOL,
-                                       msg=lambda msg, name=name: f"{name}: {msg}")
+            torch.testing.assert_close(
+                state[name], v, rtol=RTOL, atol=ATOL, msg=lambda msg, name=name: f"{name}: {msg}"
+            )
 
 
 def test_precision_change_keeps_fp32_masters_and_states(tmp_path):
@@ -72,8 +78,10 @@ def test_precision_change_keeps_fp32_masters_and_states(tmp_path):
             assert a.dtype(name) == torch.float32 or not name.startswith("model/")
             assert torch.equal(a.read_full(name), b.read_full(name)), name
         assert a.trainer_state["precision"] == "bf16"
-        assert b.trainer_state["optimizer"]["scalar_states"] == \
-            a.trainer_state["optimizer"]["scalar_states"]
+        assert (
+            b.trainer_state["optimizer"]["scalar_states"]
+            == a.trainer_state["optimizer"]["scalar_states"]
+        )
 
 
 def test_damaged_checkpoints_are_refused_and_resume_falls_back(tmp_path):
@@ -123,7 +131,7 @@ def test_export_equals_state_dict_loads_strictly_and_starts_an_engine(tmp_path):
     root = tmp_path / "c"
     state = run_on_ranks(2, cc.export_source, str(root))[0]
     out = tmp_path / "model.safetensors"
-    names = export_model_state(root, out)
+    names = export_consolidated(root, out)
     exported = load_file(str(out))
     assert sorted(names) == sorted(state) == sorted(exported)
     assert "head.weight" in exported  # the tied alias of tok_emb.weight

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from shardwise.checkpoint import verify
 from shardwise.cli.main import main
-from shardwise.engine_weights import read_model_state
+from shardwise.checkpoint import read_consolidated
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.train.metrics import read_metrics
 from shardwise.train.rundir import RunDir
@@ -48,8 +48,16 @@ def losses(run_dir: RunDir) -> tuple[list[float], list[float]]:
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> RunDir:
     run_dir = RunDir(tmp_path_factory.mktemp("one") / "run")
-    train("--nproc-per-node", "1", "--steps", str(STEPS), "--checkpoint-every", "0",
-          "--run-dir", str(run_dir.root))
+    train(
+        "--nproc-per-node",
+        "1",
+        "--steps",
+        str(STEPS),
+        "--checkpoint-every",
+        "0",
+        "--run-dir",
+        str(run_dir.root),
+    )
     return run_dir
 
 
@@ -84,7 +92,7 @@ def test_tp2_final_model_is_the_plain_gpt(one_process, tp_resumed, capsys):
     state = load_file(str(tp_resumed.final_model))
     model = GPT(GPTConfig.named("tiny"))
     model.load_state_dict(state)  # strict: the plain model's names and shapes, no padding
-    saved = read_model_state(tp_resumed.checkpoints / f"step-{STEPS:08d}")
+    saved = read_consolidated(tp_resumed.checkpoints / f"step-{STEPS:08d}")
     reference = load_file(str(one_process.final_model))
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(tensor, saved[name], rtol=0, atol=0)
@@ -98,8 +106,21 @@ def test_tp2_final_model_is_the_plain_gpt(one_process, tp_resumed, capsys):
 def test_dp2_tp2_sequence_parallel_matches_one_process(one_process, tmp_path):
     # 4 ranks: dp2 x tp2, each dp replica reads half of the 8 sequences the single process does
     run_dir = RunDir(tmp_path / "run")
-    out = train("--nproc-per-node", "4", "--tp", "2", "--sequence-parallel", "--micro-batch",
-                "4", "--steps", "2", "--checkpoint-every", "0", "--run-dir", str(run_dir.root))
+    out = train(
+        "--nproc-per-node",
+        "4",
+        "--tp",
+        "2",
+        "--sequence-parallel",
+        "--micro-batch",
+        "4",
+        "--steps",
+        "2",
+        "--checkpoint-every",
+        "0",
+        "--run-dir",
+        str(run_dir.root),
+    )
     assert "4 ranks (dp2 x tp2)" in out.stdout
     (want, want_val), (got, got_val) = losses(one_process), losses(run_dir)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want[:2]), rtol=0, atol=1e-5)

@@ -4,7 +4,8 @@ Writing: :func:`save_checkpoint` (blocking) or :class:`AsyncCheckpointWriter` (b
 Reading: :func:`resolve`, :func:`verify`, :class:`CheckpointReader`, :func:`find_latest_valid`.
 Retiring: :func:`delete_checkpoint`, :func:`set_aside`; a lost journal: :func:`rebuild_journal`;
 before resuming: :func:`prepare_resume`.
-Offline: :func:`inspect`, :func:`verify_cli`, :func:`export_consolidated`.
+Offline: :func:`inspect`, :func:`verify_cli`, :func:`read_consolidated`,
+:func:`export_consolidated`.
 
 Modules: ``layout`` (names on disk), ``entries`` (boxes and their geometry), ``files`` (durable
 bytes, safetensors), ``manifest``, ``journal``, ``retention``, ``integrity``, ``rank_state``,
@@ -26,7 +27,12 @@ from shardwise.checkpoint.layout import FORMAT_VERSION, CheckpointError
 from shardwise.checkpoint.manifest import Manifest, Piece, TensorRecord
 from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.checkpoint.retention import delete_checkpoint, prepare_resume, set_aside
-from shardwise.checkpoint.tools import export_consolidated, inspect, verify_cli
+from shardwise.checkpoint.tools import (
+    export_consolidated,
+    inspect,
+    read_consolidated,
+    verify_cli,
+)
 from shardwise.checkpoint.writer import save_checkpoint
 
 __all__ = [
@@ -46,6 +52,7 @@ __all__ = [
     "flat_range_boxes",
     "inspect",
     "prepare_resume",
+    "read_consolidated",
     "rebuild_journal",
     "resolve",
     "save_checkpoint",

@@ -18,6 +18,9 @@ from shardwise.checkpoint.reader import CheckpointReader
 log = logging.getLogger("shardwise.checkpoint")
 
 MODEL_PREFIX = "model/"
+"""Saved names of a model's parameters (the engine's entries use these prefixes)."""
+BUFFER_PREFIX = "buffer/"
+OPTIM_PREFIX = "optim/"
 
 
 def inspect(path: Path | str) -> str:
@@ -69,33 +72,44 @@ def verify_cli(path: Path | str) -> tuple[bool, str]:
     )
 
 
-def export_consolidated(path: Path | str, out_file: Path | str) -> list[str]:
-    """Write every ``model/`` tensor, full and with the prefix stripped, to one safetensors file.
+def read_consolidated(path: Path | str) -> dict[str, torch.Tensor]:
+    """The full model state of a checkpoint (a ``step-N`` dir or a root: its latest), verified
+    first: every ``model/`` tensor (floating ones in fp32) and ``buffer/`` tensor (as stored),
+    prefixes stripped, and each tied alias the engine recorded as its own copy, so the result is
+    the plain model's ``state_dict()``. Needs no process group."""
+    out: dict[str, torch.Tensor] = {}
+    with CheckpointReader(path, verify=True) as reader:
+        for name in reader.names():
+            if name.startswith(MODEL_PREFIX):
+                full = reader.read_full(name)
+                out[name[len(MODEL_PREFIX) :]] = full.float() if full.is_floating_point() else full
+            elif name.startswith(BUFFER_PREFIX):
+                out[name[len(BUFFER_PREFIX) :]] = reader.read_full(name)
+        for alias, first in reader.trainer_state.get("aliases", {}).items():
+            out[alias] = out[first].clone()
+    if not out:
+        raise ValueError(
+            f"{path} holds no tensor named '{MODEL_PREFIX}...' or '{BUFFER_PREFIX}...'; "
+            "nothing to read"
+        )
+    return out
 
-    Floating tensors are cast to float32; others keep their stored dtype. The result loads into
-    the plain (unsharded) model with ``model.load_state_dict(safetensors.torch.load_file(f))``.
-    Tied weights appear once per name the engine saved. The checkpoint is verified first; the
-    output is written with :func:`~shardwise.checkpoint.files.save_safetensors` (temp name,
-    fsync, rename).
+
+def export_consolidated(path: Path | str, out_file: Path | str) -> list[str]:
+    """Write :func:`read_consolidated` of a checkpoint to one safetensors file (temp name, fsync,
+    rename: :func:`~shardwise.checkpoint.files.save_safetensors`). The file loads into the
+    plain model with ``model.load_state_dict(safetensors.torch.load_file(out_file))`` (strict).
 
     Returns:
         The names written, sorted.
     """
-    out = Path(out_file)
-    tensors: dict[str, torch.Tensor] = {}
-    with CheckpointReader(path, verify=True) as reader:
-        for name in reader.names():
-            if not name.startswith(MODEL_PREFIX):
-                continue
-            full = reader.read_full(name)
-            tensors[name[len(MODEL_PREFIX) :]] = full.float() if full.is_floating_point() else full
-    if not tensors:
-        raise ValueError(f"{path} holds no tensor named '{MODEL_PREFIX}...'; nothing to export")
-    save_safetensors(out, tensors)
+    tensors = read_consolidated(path)
+    save_safetensors(Path(out_file), tensors)
     log.info(
-        "exported %d model tensors (%d elements) to %s",
+        "exported %d tensors (%d elements) of %s to %s",
         len(tensors),
         sum(math.prod(t.shape) for t in tensors.values()),
-        out,
+        path,
+        out_file,
     )
     return sorted(tensors)

@@ -23,7 +23,8 @@ from shardwise.checkpoint import (
     set_aside,
     verify_cli,
 )
-from shardwise.engine_weights import describe, export_model_state
+from shardwise.checkpoint.tools import export_consolidated
+from shardwise.engine_weights import describe
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -59,7 +60,7 @@ def _export(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        names = export_model_state(args.path, target)
+        names = export_consolidated(args.path, target)
     except (CheckpointError, ValueError) as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1

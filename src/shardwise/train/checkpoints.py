@@ -15,9 +15,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from shardwise.checkpoint import CheckpointError, CheckpointReader, save_safetensors
+from shardwise.checkpoint.tools import read_consolidated
 from shardwise.data.sampler import DistributedBatchSampler
 from shardwise.engine import Engine
-from shardwise.engine_weights import read_model_state
 from shardwise.models.gpt import GPT, GPTConfig
 
 log = logging.getLogger("shardwise.train")
@@ -70,7 +70,7 @@ def _from_checkpoint(root: Path) -> tuple[dict[str, torch.Tensor], int] | None:
     try:
         with CheckpointReader(root, verify=False) as reader:
             step_dir, step = reader.path, reader.step
-        return read_model_state(step_dir), step
+        return read_consolidated(step_dir), step
     except (CheckpointError, FileNotFoundError) as exc:
         log.warning("cannot read a checkpoint under %s: %s", root, exc)
         return None

@@ -38,13 +38,10 @@ from torch import nn
 from shardwise.checkpoint.entries import ShardEntry
 from shardwise.checkpoint.files import dtype_from_name, dtype_name
 from shardwise.checkpoint.reader import CheckpointReader
+from shardwise.checkpoint.tools import BUFFER_PREFIX, MODEL_PREFIX, OPTIM_PREFIX
 from shardwise.zero.flat_param import FlatParam
 from shardwise.zero.param_layout import ParamLayout, layout_of, range_entries, read_range
 from shardwise.zero.partition import ShardPiece, pieces_in
-
-MODEL_PREFIX = "model/"
-OPTIM_PREFIX = "optim/"
-BUFFER_PREFIX = "buffer/"
 
 Layouts = Mapping[int, ParamLayout]
 """id(parameter) -> its layout in the saved tensor (absent: not split, written whole)."""
