@@ -105,9 +105,11 @@ class Config:
     """A PipelineModule: micro-batches per accumulation step of ``train_batch``."""
     pipeline_virtual_stages: int = 1
     """A PipelineModule: stages per pp rank (more than 1 for interleaved_1f1b)."""
-    pipeline_zero3_regather: bool = True
-    """A PipelineModule at ZeRO-3: all_gather a stage's parameters for each micro-batch's
-    forward and again for its backward (True), or once per step, kept until the step ends."""
+    pipeline_zero3_regather: bool = False
+    """A PipelineModule at ZeRO-3: all_gather a stage's parameters once per step and keep them
+    until the step ends (False), or for each micro-batch's forward and again for its backward,
+    freed between micro-batches (True: 2m times the gathers for the same peak, since a
+    backward holds the stage's units until it ends; ``benchmarks/pipeline_zero3.py``)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form values for the user's own scripts (not read by shardwise)."""
 
