@@ -79,6 +79,46 @@ def test_bad_tensor_parallel_layouts_are_one_line(capsys, tmp_path, argv, expect
     assert not run_dir.exists(), "a rejected run must not create its directory"
 
 
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--pp", "3"], "--pp 3 does not divide the 2 ranks"),
+        (["--nproc-per-node", "4", "--pp", "2", "--tp", "4"], "--tp 4 x --pp 2 does not divide"),
+        (["--nproc-per-node", "8", "--pp", "8"], "6 pipeline layers cannot fill 8 stages"),
+        (["--pp", "2", "--microbatches", "0"], "--microbatches must be >= 1, got 0"),
+        (["--pp", "2", "--microbatches", "3"], "--micro-batch 8 does not split into"),
+        (["--pp", "2", "--schedule", "pipedream"], "--schedule must be one of gpipe, 1f1b"),
+        (
+            ["--pp", "2", "--schedule", "interleaved_1f1b", "--microbatches", "3"],
+            "interleaved_1f1b needs microbatches divisible by the pp size",
+        ),
+        (["--pp", "2", "--zero", "3"], "--pp runs ZeRO stages 0-2"),
+        (["--pp", "2", "--checkpoint-every", "5"], "checkpoints of a pipeline-parallel run"),
+        (["--microbatches", "2"], "--schedule and --microbatches run a pipeline: add --pp > 1"),
+        (["--schedule", "gpipe"], "--schedule and --microbatches run a pipeline: add --pp > 1"),
+    ],
+)
+def test_bad_pipeline_options_are_one_line(capsys, tmp_path, argv, expected):
+    run_dir = tmp_path / "run"
+    base = ["--model", "tiny", "--nproc-per-node", "2"]
+    line = _error_line(capsys, "train", "--run-dir", str(run_dir), *base, *argv)
+    assert expected in line
+    assert not run_dir.exists(), "a rejected run must not create its directory"
+
+
+def test_a_pipeline_run_is_refused_on_resume(capsys, tmp_path):
+    run = RunConfig(
+        train=TrainOptions(model="tiny", pp=2),
+        engine=Config(micro_batch_size=4, pipeline_microbatches=2),
+        world_size=2,
+    )
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.root.mkdir()
+    run.write(run_dir.config)
+    line = _error_line(capsys, "train", "--resume", "--run-dir", str(run_dir.root))
+    assert "pipeline-parallel run (--pp 2)" in line and "cannot resume" in line
+
+
 def test_tensor_parallel_run_config_counts_dp_replicas(tmp_path):
     run = RunConfig(
         train=TrainOptions(model="tiny", tp=2, sequence_parallel=True),

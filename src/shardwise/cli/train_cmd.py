@@ -19,7 +19,7 @@ from typing import Any
 from shardwise.cli import train_preflight as preflight
 from shardwise.cli.launch import DEFAULT_GRACE_S, add_launch_args, check_launch_args, launch
 from shardwise.cli.run_agent import STOPPED_CODES, LaunchResult
-from shardwise.config import COUNT_MAX, PRECISIONS, Config
+from shardwise.config import COUNT_MAX, PIPELINE_SCHEDULES, PRECISIONS, Config
 from shardwise.train.lock import RunDirLock
 from shardwise.train.metrics import read_metrics
 from shardwise.train.options import DEFAULT_STEPS, RunConfig, TrainOptions
@@ -50,6 +50,7 @@ TRAIN_FLAGS = (
     "max_bytes",
     "tp",
     "sequence_parallel",
+    "pp",
 )
 ENGINE_FLAGS = {
     "zero": "zero_stage",
@@ -57,6 +58,8 @@ ENGINE_FLAGS = {
     "micro_batch": "micro_batch_size",
     "grad_accum": "gradient_accumulation_steps",
     "seed": "seed",
+    "schedule": "pipeline_schedule",
+    "microbatches": "pipeline_microbatches",
 }
 
 
@@ -121,6 +124,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="with --tp: run norms and dropout on 1/tp of the sequence",
     )
+    par.add_argument(
+        "--pp",
+        type=int,
+        help="pipeline-parallel degree: stages the layers are split into (default 1)",
+    )
+    par.add_argument(
+        "--schedule",
+        help=f"with --pp: {' | '.join(PIPELINE_SCHEDULES)} (default 1f1b)",
+    )
+    par.add_argument(
+        "--microbatches",
+        type=int,
+        help="with --pp: pipeline micro-batches each --micro-batch is split into (default: pp)",
+    )
     r = p.add_argument_group("run directory")
     r.add_argument(
         "--run-dir",
@@ -145,7 +162,11 @@ def _check_engine_flags(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--precision must be one of {', '.join(PRECISIONS)}, got {args.precision!r}"
         )
-    for flag in ("micro_batch", "grad_accum"):
+    if args.schedule is not None and args.schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(
+            f"--schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {args.schedule!r}"
+        )
+    for flag in ("micro_batch", "grad_accum", "microbatches"):
         value = getattr(args, flag)
         if value is not None and not 1 <= value <= COUNT_MAX:
             bound = ">= 1" if value < 1 else f"<= {COUNT_MAX}"
@@ -166,14 +187,30 @@ def _engine_config(args: argparse.Namespace, run_dir: RunDir) -> Config:
         values["gradient_clipping"] = DEFAULT_CLIPPING
     if "checkpoint_every" not in from_file:
         values["checkpoint_every"] = DEFAULT_CHECKPOINT_EVERY
-    values.update({ENGINE_FLAGS[k]: v for k, v in _given(args, list(ENGINE_FLAGS)).items()})
+    flags = {ENGINE_FLAGS[k]: v for k, v in _given(args, list(ENGINE_FLAGS)).items()}
+    if args.checkpoint_every is not None:
+        flags["checkpoint_every"] = args.checkpoint_every
+    values.update(flags)
     if args.activation_checkpointing:
         values["activation_checkpointing"] = ["Block"]
-    if args.checkpoint_every is not None:
-        values["checkpoint_every"] = args.checkpoint_every
+    if args.pp is not None and args.pp > 1:
+        _pipeline_defaults(args.pp, values, from_file | set(flags))
     values["checkpoint_dir"] = CHECKPOINTS_NAME  # relative to the run dir: it may move
     values["resume"] = "never"  # the worker resumes explicitly (--resume), with the sampler
     return Config.from_dict(values)
+
+
+def _pipeline_defaults(pp: int, values: dict[str, Any], chosen: set[str]) -> None:
+    """A pipeline run's defaults for what neither the file nor a flag set: pp micro-batches,
+    two stages per rank under interleaved_1f1b, and no periodic checkpoints (saving a pp > 1
+    engine is not supported)."""
+    if "pipeline_microbatches" not in chosen:
+        values["pipeline_microbatches"] = pp
+    if "pipeline_virtual_stages" not in chosen:
+        interleaved = values["pipeline_schedule"] == "interleaved_1f1b"
+        values["pipeline_virtual_stages"] = 2 if interleaved else 1
+    if "checkpoint_every" not in chosen:
+        values["checkpoint_every"] = 0
 
 
 def _new_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir]:
@@ -213,6 +250,11 @@ def _changed_on_resume(args: argparse.Namespace, run: RunConfig) -> list[str]:
 def _resumed_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir]:
     run_dir = (RunDir(args.run_dir) if args.run_dir else latest_run_dir()).require()
     run = RunConfig.read(run_dir.config)
+    if run.train.pp > 1:
+        raise ValueError(
+            f"{run_dir.root} is a pipeline-parallel run (--pp {run.train.pp}): checkpoints "
+            "under --pp are not supported yet, so it cannot resume; start a new run"
+        )
     changed = _changed_on_resume(args, run)
     if changed:
         allowed = ", ".join("--" + f.replace("_", "-") for f in (*RESUMABLE, "checkpoint_every"))
@@ -311,6 +353,7 @@ def run_train(args: argparse.Namespace) -> int:
     run, run_dir = _resumed_run(args) if args.resume else _new_run(args)
     if not args.resume:
         preflight.check_layout(run)
+        preflight.check_pipeline(run)
         preflight.check_data(run)
         preflight.check_memory(run, args.nproc_per_node)
     preflight.open_run_dir(run_dir)
@@ -345,7 +388,7 @@ def run_train(args: argparse.Namespace) -> int:
     code = result.code
     if result.stop_signal is not None or code in STOPPED_CODES:
         code = _stop_message(run_dir, result, before)
-    if code != 0:
+    if code != 0 and run.train.pp == 1:  # a pipeline run has no checkpoints to resume from
         print(f"continue with: shardwise train --run-dir {run_dir.root} --resume")
     return code
 

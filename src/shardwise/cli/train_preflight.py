@@ -12,7 +12,9 @@ import torch
 
 from shardwise.data.corpus import check_corpus_fits, load_corpus
 from shardwise.estimate import estimate_activations, estimate_model_states, format_bytes
+from shardwise.pipeline.schedule import build_schedule
 from shardwise.train.options import RunConfig
+from shardwise.train.parallel import PIPELINE_LAYERS_AROUND_BLOCKS
 from shardwise.train.rundir import RunDir
 
 
@@ -21,11 +23,12 @@ def check_layout(run: RunConfig) -> None:
     divide the ranks, the attention heads and the width; ``--sequence-parallel`` needs
     ``--tp`` > 1 and a sequence length divisible by it."""
     opts, cfg = run.train, run.model
-    tp = opts.tp
-    if run.world_size % tp:
+    tp, pp = opts.tp, opts.pp
+    if run.world_size % (tp * pp):
+        what = f"--tp {tp}" if pp == 1 else f"--pp {pp}" if tp == 1 else f"--tp {tp} x --pp {pp}"
         raise ValueError(
-            f"--tp {tp} does not divide the {run.world_size} ranks (--nproc-per-node x "
-            "--nnodes): choose a --tp that divides them"
+            f"{what} does not divide the {run.world_size} ranks (--nproc-per-node x "
+            "--nnodes): choose degrees whose product divides them"
         )
     if cfg.n_head % tp or cfg.d_model % tp:
         raise ValueError(
@@ -38,6 +41,41 @@ def check_layout(run: RunConfig) -> None:
         raise ValueError(
             f"--sequence-parallel needs the sequence length {cfg.seq_len} divisible by "
             f"--tp {tp}: change --seq-len or --tp"
+        )
+
+
+def check_pipeline(run: RunConfig) -> None:
+    """Refuse pipeline options the GPT or the pipeline engine cannot run: the schedule must be
+    buildable for pp and the micro-batches, every stage needs a layer, each ``--micro-batch``
+    splits into ``--microbatches`` equal parts, ZeRO 0-2, no checkpoints (not supported at
+    pp > 1 yet), and ``--schedule`` / ``--microbatches`` only with ``--pp`` > 1."""
+    opts, eng = run.train, run.engine
+    pp, m = opts.pp, eng.pipeline_microbatches
+    if pp == 1:
+        if m != 1 or eng.pipeline_schedule != "1f1b" or eng.pipeline_virtual_stages != 1:
+            raise ValueError("--schedule and --microbatches run a pipeline: add --pp > 1")
+        return
+    layers = run.model.n_layer + PIPELINE_LAYERS_AROUND_BLOCKS
+    stages = pp * eng.pipeline_virtual_stages
+    if layers < stages:
+        raise ValueError(
+            f"the {opts.model} model's {layers} pipeline layers cannot fill {stages} stages "
+            f"(--pp {pp} x {eng.pipeline_virtual_stages} per rank): lower --pp"
+        )
+    build_schedule(eng.pipeline_schedule, pp, m, eng.pipeline_virtual_stages)
+    if run.micro_batch % m:
+        raise ValueError(
+            f"--micro-batch {run.micro_batch} does not split into --microbatches {m} equal "
+            "pipeline micro-batches: choose a --micro-batch divisible by it"
+        )
+    if eng.zero_stage == 3:
+        raise ValueError(
+            "--pp runs ZeRO stages 0-2 (each stage's weights stay whole): lower --zero"
+        )
+    if eng.checkpoint_every:
+        raise ValueError(
+            "checkpoints of a pipeline-parallel run are not supported yet: drop "
+            "--checkpoint-every (the run still writes final_model.safetensors)"
         )
 
 

@@ -9,6 +9,7 @@ whole batch in one process: each micro-batch's mean loss is scaled by ``grad_sca
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,14 @@ class StepTimes:
         """Measured idle time over compute time on this rank (the simulator's ``bubble_of``)."""
         return (self.wall_s - self.busy_s) / self.busy_s if self.busy_s else 0.0
 
+    def stage_seconds(self) -> dict[int, dict[str, float]]:
+        """Per stage of this rank: seconds in forward (F) and in backward (B, I and W)."""
+        out: dict[int, dict[str, float]] = {}
+        for a, t0, t1 in self.slots:
+            entry = out.setdefault(a.stage, {"forward_s": 0.0, "backward_s": 0.0})
+            entry["forward_s" if a.kind is Kind.F else "backward_s"] += t1 - t0
+        return out
+
 
 class PipelineExecutor:
     """Runs ``pipe`` through a pipeline schedule, one step per ``train_batch``.
@@ -108,7 +117,16 @@ class PipelineExecutor:
         self.last_step = StepTimes()
         # called after each backward action (B, I, W): e.g. ZeRO-3 frees what it gathered
         self.after_backward: Callable[[], None] | None = None
+        # the times of recent steps (training and evaluation), until ``take_step_times``
+        self._recent: deque[StepTimes] = deque(maxlen=1024)
         self._peer = {r: pipe.mesh.rank_of(r, *self._dp_tp()) for r in range(pipe.pp_size)}
+
+    def take_step_times(self) -> list[StepTimes]:
+        """The times of the steps run since the last call (at most 1024), oldest first; an
+        optimizer step with gradient accumulation runs one per accumulation step."""
+        out = list(self._recent)
+        self._recent.clear()
+        return out
 
     def _dp_tp(self) -> tuple[int, int]:
         c = self.pipe.mesh.coords
@@ -160,6 +178,7 @@ class PipelineExecutor:
             self.steps += 1
         times.wall_s = time.perf_counter() - start
         self.last_step = times
+        self._recent.append(times)
         if train and reduce_tied:
             self.pipe.reduce_tied_grads()
         return self._mean_loss(st)

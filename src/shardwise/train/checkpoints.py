@@ -16,9 +16,12 @@ from safetensors import SafetensorError, safe_open
 
 from shardwise.checkpoint import CheckpointError, CheckpointReader, save_safetensors
 from shardwise.checkpoint.tools import read_consolidated
+from shardwise.comm import objects
 from shardwise.data.sampler import DistributedBatchSampler
 from shardwise.engine import Engine
+from shardwise.mesh import Mesh
 from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.train.parallel import BuiltModel
 
 log = logging.getLogger("shardwise.train")
 
@@ -47,13 +50,21 @@ def resume(engine: Engine, sampler: DistributedBatchSampler) -> int | None:
     return None if state is None else engine.global_step
 
 
-def save_final_model(engine: Engine, path: Path, step: int, is_writer: bool) -> None:
-    """Write the full model weights (fp32) to ``path``, tagged with ``step``; every rank calls
-    it (the weights are gathered), the rank with ``is_writer`` writes the file.
+def save_final_model(
+    engine: Engine, path: Path, step: int, is_writer: bool, built: BuiltModel, mesh: Mesh
+) -> None:
+    """Write the full model weights (fp32), under the plain GPT's names, to ``path``, tagged
+    with ``step``; every rank calls it (the weights are gathered), the rank with ``is_writer``
+    writes the file.
 
-    Communicates (ZeRO stages 1-3): an all_gather per flat parameter buffer.
+    Communicates (ZeRO stages 1-3): an all_gather per flat parameter buffer; under tensor
+    parallelism one per split parameter over tp; under pipeline parallelism an
+    all_gather_object of each pp rank's stage weights over pp.
     """
     state = engine.state_dict()
+    if built.pipeline:
+        mine = {built.gpt_names[name]: t for name, t in state.items()}
+        state = built.gpt_state(objects.all_gather_object(mine, group=mesh.group("pp")))
     if not is_writer:
         return
     # tied weights (the head's and the token embedding's) come back as one tensor under two

@@ -19,10 +19,12 @@ import shardwise
 from shardwise.comm import World, objects, ops
 from shardwise.data import DistributedBatchSampler, load_corpus
 from shardwise.engine import Engine
+from shardwise.engine_pipeline import PipelineEngine
 from shardwise.train import checkpoints
 from shardwise.train.metrics import MetricsWriter, read_metrics
 from shardwise.train.options import RunConfig
 from shardwise.train.parallel import build_mesh, build_model
+from shardwise.train.pipeline_metrics import local_times, pipeline_record
 from shardwise.train.progress import Progress, format_rate
 from shardwise.train.rundir import RunDir
 from shardwise.train.schedule import lr_at
@@ -72,13 +74,16 @@ class Trainer:
             discard_summary(run_dir.summary)
         cfg = run.model
         self.corpus = load_corpus(self.opts.data, max_bytes=self.opts.max_bytes)
-        model = build_model(run, self.mesh)  # the same model on every rank, tp-split
+        # the same model on every rank, its stages of it under --pp, tp-split under --tp
+        self.built = build_model(run, self.mesh)
+        model = self.built.module
         optimizer = torch.optim.AdamW(
             param_groups(model, self.opts.weight_decay), lr=self.opts.lr, betas=(0.9, 0.95)
         )
         engine_cfg = run_dir.engine_config(run.engine)  # this run dir's checkpoints, always
         engine_cfg = engine_cfg.replace(resume="auto") if resume else engine_cfg
         self.engine: Engine = shardwise.initialize(model, optimizer, engine_cfg, group=self.mesh)
+        self.pipe = self.engine if isinstance(self.engine, PipelineEngine) else None
         self.sampler = DistributedBatchSampler(
             self.corpus.train,
             cfg.seq_len,
@@ -118,14 +123,18 @@ class Trainer:
         rank's part of the step record."""
         lr = self._set_lr()
         t0 = time.perf_counter()
-        losses = []
-        for _ in range(self.run_cfg.engine.gradient_accumulation_steps):
-            x, y = self.sampler.next_batch()  # [micro_batch, seq_len] each
-            loss = self.engine(x, y)
-            self.engine.backward(loss)
-            losses.append(float(loss.detach()))
-        memory = self.engine.memory()  # gradients are held now: the step's peak of model states
-        self.engine.step()
+        extra: dict[str, Any] = {}
+        if self.pipe is not None:
+            losses, memory, extra["pipeline"] = self._pipeline_step()
+        else:
+            losses = []
+            for _ in range(self.run_cfg.engine.gradient_accumulation_steps):
+                x, y = self.sampler.next_batch()  # [micro_batch, seq_len] each
+                loss = self.engine(x, y)
+                self.engine.backward(loss)
+                losses.append(float(loss.detach()))
+            memory = self.engine.memory()  # gradients are held: the step's peak of model states
+            self.engine.step()
         step_time = time.perf_counter() - t0
         # exposed time first: snapshot(reset=True) clears it too
         exposed = self.world.stats.exposed()
@@ -139,7 +148,22 @@ class Trainer:
             "memory": memory,
             "grad_norm": self.engine.grad_norm,
             "stop": int(stop.signal) if stop.signal is not None else 0,
+            **extra,
         }
+
+    def _pipeline_step(self) -> tuple[list[float], dict[str, int], dict[str, Any]]:
+        """One ``train_batch`` over this dp rank's micro-batches of the step, concatenated (the
+        engine splits them back into accumulation steps, then pipeline micro-batches)."""
+        assert self.pipe is not None
+        local_times(self.pipe.executor)  # evaluation's steps are not this one's
+        batches = [
+            self.sampler.next_batch()
+            for _ in range(self.run_cfg.engine.gradient_accumulation_steps)
+        ]
+        x = torch.cat([b[0] for b in batches])  # [accum * micro_batch, seq_len]
+        y = torch.cat([b[1] for b in batches])
+        loss = self.pipe.train_batch(x, y)  # averaged over dp already
+        return [float(loss)], self.engine.memory(), local_times(self.pipe.executor)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -158,7 +182,8 @@ class Trainer:
         total = 0.0
         for _ in range(self.opts.eval_batches):
             x, y = val.next_batch()
-            total += float(self.engine(x, y).float())
+            loss = self.engine(x, y) if self.pipe is None else self.pipe.eval_batch(x, y)
+            total += float(loss.float())
         self.engine.train()
         mean = torch.tensor([total / self.opts.eval_batches], dtype=torch.float64)
         ops.all_reduce(mean, op="avg", group=self.dp)
@@ -181,6 +206,8 @@ class Trainer:
             "elapsed_s": time.perf_counter() - self.started,
             "wall_s": self.prior_wall_s + time.perf_counter() - self.started,
         }
+        if self.pipe is not None:
+            record["pipeline"] = pipeline_record(parts, self.mesh)
         if val_loss is not None:
             record["val_loss"] = val_loss
         return record
@@ -188,8 +215,8 @@ class Trainer:
     def _save_checkpoint(self) -> None:
         """Save unless this optimizer step is saved already (an fp16 step skipped on overflow
         leaves ``global_step`` where it was, and a checkpoint is never written twice)."""
-        if self.saved_step == self.engine.global_step:
-            return
+        if self.saved_step == self.engine.global_step or self.pipe is not None:
+            return  # saving a pipeline-parallel engine is not supported yet (said at the start)
         checkpoints.save(self.engine, self.sampler)
         self.saved_step = self.engine.global_step
 
@@ -243,12 +270,19 @@ class Trainer:
                 f"{self.run_cfg.engine.precision}, {self.run_cfg.tokens_per_step} tokens/step; "
                 f"unigram baseline {unigram:.3f} nats"
             )
+            if self.pipe is not None:
+                progress.message(
+                    "checkpoints of a pipeline-parallel run are not supported yet: none is "
+                    "written; final_model.safetensors holds the weights at the end"
+                )
         try:
             self._loop(stop, writer, progress)
             # a signal from here on changes nothing: the ranks save and exit anyway
             self._save_checkpoint()
             checkpoints.finish_saving(self.engine)
-            checkpoints.save_final_model(self.engine, self.dir.final_model, self.step, lead)
+            checkpoints.save_final_model(
+                self.engine, self.dir.final_model, self.step, lead, self.built, self.mesh
+            )
         finally:
             if progress is not None:
                 progress.close()

@@ -1,5 +1,6 @@
-"""``shardwise train --tp`` end to end through the CLI on gloo ranks, against the same run on one
-process: equal losses (fp32), a resume, and the exported model in the plain GPT's names."""
+"""``shardwise train --tp`` and ``--pp`` end to end through the CLI on gloo ranks, against the
+same run on one process: equal losses (fp32), a resume (tp), per-stage timings and the bubble
+(pp), and the exported model in the plain GPT's names."""
 
 from __future__ import annotations
 
@@ -125,3 +126,78 @@ def test_dp2_tp2_sequence_parallel_matches_one_process(one_process, tmp_path):
     (want, want_val), (got, got_val) = losses(one_process), losses(run_dir)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want[:2]), rtol=0, atol=1e-5)
     torch.testing.assert_close(torch.tensor(got_val), torch.tensor(want_val[:1]), rtol=0, atol=1e-5)
+
+
+def check_final_model(run_dir: RunDir, reference: RunDir) -> None:
+    """The run's final_model.safetensors loads into the plain GPT and is the one-process run's."""
+    state = load_file(str(run_dir.final_model))
+    model = GPT(GPTConfig.named("tiny"))
+    model.load_state_dict(state)  # strict: every name of the plain model, whole shapes
+    want = load_file(str(reference.final_model))
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, want[name], rtol=0, atol=1e-4)
+
+
+def test_pp2_1f1b_matches_one_process_with_stage_times(one_process, tmp_path):
+    run_dir = RunDir(tmp_path / "run")
+    out = train(
+        "--nproc-per-node",
+        "2",
+        "--pp",
+        "2",
+        "--schedule",
+        "1f1b",
+        "--microbatches",
+        "2",
+        "--steps",
+        str(STEPS),
+        "--run-dir",
+        str(run_dir.root),
+    )
+    assert "2 ranks (pp2)" in out.stdout
+    assert "checkpoints of a pipeline-parallel run are not supported yet" in out.stderr
+    (want, want_val), (got, got_val) = losses(one_process), losses(run_dir)
+    assert len(got) == STEPS
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(got_val), torch.tensor(want_val), rtol=0, atol=1e-5)
+    for record in read_metrics(run_dir.metrics):
+        pipe = record["pipeline"]
+        assert [(s["stage"], s["pp_rank"]) for s in pipe["stages"]] == [(0, 0), (1, 1)]
+        assert all(s["forward_s"] > 0 and s["backward_s"] > 0 for s in pipe["stages"])
+        assert 0 <= pipe["bubble_fraction"] < 1
+    config = json.loads(run_dir.config.read_text())
+    assert config["train"]["pp"] == 2 and config["shardwise"]["pipeline_microbatches"] == 2
+    assert config["shardwise"]["checkpoint_every"] == 0
+    assert json.loads(run_dir.summary.read_text())["status"] == "finished"
+    assert not list(run_dir.checkpoints.glob("step-*"))
+    check_final_model(run_dir, one_process)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--schedule", "zb_h1", "--micro-batch", "4", "--zero", "1"],  # pp2 x dp2
+        ["--tp", "2", "--sequence-parallel", "--schedule", "interleaved_1f1b"],  # pp2 x tp2
+    ],
+    ids=["pp2_dp2_zb_h1", "pp2_tp2_sp_interleaved"],
+)
+def test_pp2_on_four_ranks_matches_one_process(one_process, tmp_path, layout):
+    run_dir = RunDir(tmp_path / "run")
+    train(
+        "--nproc-per-node",
+        "4",
+        "--pp",
+        "2",
+        "--microbatches",
+        "2",
+        *layout,
+        "--steps",
+        "2",
+        "--run-dir",
+        str(run_dir.root),
+    )
+    (want, want_val), (got, got_val) = losses(one_process), losses(run_dir)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want[:2]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(got_val), torch.tensor(want_val[:1]), rtol=0, atol=1e-5)
+    stages = read_metrics(run_dir.metrics)[-1]["pipeline"]["stages"]
+    assert len(stages) == (4 if "interleaved_1f1b" in layout else 2)
