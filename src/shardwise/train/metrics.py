@@ -11,7 +11,9 @@ Keys of a step record (units in the names where they have one):
   "inter_node_bytes"}}``;
   ``exposed_comm_s``: per rank, seconds blocked on communication (not overlapped with compute).
 - ``memory``: per rank, ``Engine.memory()`` bytes by category, taken after the last backward of
-  the step, when gradients are held.
+  the step, when gradients are held (under ``--pp``: after the step).
+- ``pipeline``: only under ``--pp``, ``{"stages": [{"stage", "pp_rank", "forward_s",
+  "backward_s"}], "bubble_fraction"}`` (see ``shardwise.train.pipeline_metrics``).
 - ``val_loss``: only on evaluation steps, the validation loss averaged over ranks.
 - ``elapsed_s``: seconds since the ranks started (this launch); ``wall_s``: seconds of the whole
   run so far, over every launch of a resumed run (earlier launches up to their last record).
