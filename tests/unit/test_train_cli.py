@@ -92,8 +92,6 @@ def test_bad_tensor_parallel_layouts_are_one_line(capsys, tmp_path, argv, expect
             ["--pp", "2", "--schedule", "interleaved_1f1b", "--microbatches", "3"],
             "interleaved_1f1b needs microbatches divisible by the pp size",
         ),
-        (["--pp", "2", "--zero", "3"], "--pp runs ZeRO stages 0-2"),
-        (["--pp", "2", "--checkpoint-every", "5"], "checkpoints of a pipeline-parallel run"),
         (["--microbatches", "2"], "--schedule and --microbatches run a pipeline: add --pp > 1"),
         (["--schedule", "gpipe"], "--schedule and --microbatches run a pipeline: add --pp > 1"),
     ],
@@ -104,19 +102,6 @@ def test_bad_pipeline_options_are_one_line(capsys, tmp_path, argv, expected):
     line = _error_line(capsys, "train", "--run-dir", str(run_dir), *base, *argv)
     assert expected in line
     assert not run_dir.exists(), "a rejected run must not create its directory"
-
-
-def test_a_pipeline_run_is_refused_on_resume(capsys, tmp_path):
-    run = RunConfig(
-        train=TrainOptions(model="tiny", pp=2),
-        engine=Config(micro_batch_size=4, pipeline_microbatches=2),
-        world_size=2,
-    )
-    run_dir = RunDir(tmp_path / "run")
-    run_dir.root.mkdir()
-    run.write(run_dir.config)
-    line = _error_line(capsys, "train", "--resume", "--run-dir", str(run_dir.root))
-    assert "pipeline-parallel run (--pp 2)" in line and "cannot resume" in line
 
 
 def test_tensor_parallel_run_config_counts_dp_replicas(tmp_path):

@@ -202,15 +202,12 @@ def _engine_config(args: argparse.Namespace, run_dir: RunDir) -> Config:
 
 def _pipeline_defaults(pp: int, values: dict[str, Any], chosen: set[str]) -> None:
     """A pipeline run's defaults for what neither the file nor a flag set: pp micro-batches,
-    two stages per rank under interleaved_1f1b, and no periodic checkpoints (saving a pp > 1
-    engine is not supported)."""
+    two stages per rank under interleaved_1f1b."""
     if "pipeline_microbatches" not in chosen:
         values["pipeline_microbatches"] = pp
     if "pipeline_virtual_stages" not in chosen:
         interleaved = values["pipeline_schedule"] == "interleaved_1f1b"
         values["pipeline_virtual_stages"] = 2 if interleaved else 1
-    if "checkpoint_every" not in chosen:
-        values["checkpoint_every"] = 0
 
 
 def _new_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir]:
@@ -250,11 +247,6 @@ def _changed_on_resume(args: argparse.Namespace, run: RunConfig) -> list[str]:
 def _resumed_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir]:
     run_dir = (RunDir(args.run_dir) if args.run_dir else latest_run_dir()).require()
     run = RunConfig.read(run_dir.config)
-    if run.train.pp > 1:
-        raise ValueError(
-            f"{run_dir.root} is a pipeline-parallel run (--pp {run.train.pp}): checkpoints "
-            "under --pp are not supported yet, so it cannot resume; start a new run"
-        )
     changed = _changed_on_resume(args, run)
     if changed:
         allowed = ", ".join("--" + f.replace("_", "-") for f in (*RESUMABLE, "checkpoint_every"))
@@ -388,7 +380,7 @@ def run_train(args: argparse.Namespace) -> int:
     code = result.code
     if result.stop_signal is not None or code in STOPPED_CODES:
         code = _stop_message(run_dir, result, before)
-    if code != 0 and run.train.pp == 1:  # a pipeline run has no checkpoints to resume from
+    if code != 0:
         print(f"continue with: shardwise train --run-dir {run_dir.root} --resume")
     return code
 

@@ -47,8 +47,8 @@ def check_layout(run: RunConfig) -> None:
 def check_pipeline(run: RunConfig) -> None:
     """Refuse pipeline options the GPT or the pipeline engine cannot run: the schedule must be
     buildable for pp and the micro-batches, every stage needs a layer, each ``--micro-batch``
-    splits into ``--microbatches`` equal parts, ZeRO 0-2, no checkpoints (not supported at
-    pp > 1 yet), and ``--schedule`` / ``--microbatches`` only with ``--pp`` > 1."""
+    splits into ``--microbatches`` equal parts, and ``--schedule`` / ``--microbatches`` only
+    with ``--pp`` > 1."""
     opts, eng = run.train, run.engine
     pp, m = opts.pp, eng.pipeline_microbatches
     if pp == 1:
@@ -67,15 +67,6 @@ def check_pipeline(run: RunConfig) -> None:
         raise ValueError(
             f"--micro-batch {run.micro_batch} does not split into --microbatches {m} equal "
             "pipeline micro-batches: choose a --micro-batch divisible by it"
-        )
-    if eng.zero_stage == 3:
-        raise ValueError(
-            "--pp runs ZeRO stages 0-2 (each stage's weights stay whole): lower --zero"
-        )
-    if eng.checkpoint_every:
-        raise ValueError(
-            "checkpoints of a pipeline-parallel run are not supported yet: drop "
-            "--checkpoint-every (the run still writes final_model.safetensors)"
         )
 
 

@@ -21,7 +21,7 @@ from shardwise.data.sampler import DistributedBatchSampler
 from shardwise.engine import Engine
 from shardwise.mesh import Mesh
 from shardwise.models.gpt import GPT, GPTConfig
-from shardwise.train.parallel import BuiltModel
+from shardwise.train.parallel import BuiltModel, pipeline_names, state_aliases
 
 log = logging.getLogger("shardwise.train")
 
@@ -119,6 +119,10 @@ def load_model(cfg: GPTConfig, final_model: Path, checkpoints: Path) -> tuple[GP
         )
     step, where, tensors = max(found, key=lambda item: item[0])
     model = GPT(cfg)
+    if "tok_emb.weight" not in tensors:  # a pipeline-parallel run's checkpoint: its names
+        renamed = pipeline_names(model)
+        tensors = {renamed.get(k, k): v for k, v in tensors.items()}
+        tensors.update({a: tensors[f] for a, f in state_aliases(model).items() if f in tensors})
     own = model.state_dict()
     state: dict[str, torch.Tensor] = {}
     for name, ref in own.items():

@@ -215,8 +215,8 @@ class Trainer:
     def _save_checkpoint(self) -> None:
         """Save unless this optimizer step is saved already (an fp16 step skipped on overflow
         leaves ``global_step`` where it was, and a checkpoint is never written twice)."""
-        if self.saved_step == self.engine.global_step or self.pipe is not None:
-            return  # saving a pipeline-parallel engine is not supported yet (said at the start)
+        if self.saved_step == self.engine.global_step:
+            return
         checkpoints.save(self.engine, self.sampler)
         self.saved_step = self.engine.global_step
 
@@ -270,11 +270,6 @@ class Trainer:
                 f"{self.run_cfg.engine.precision}, {self.run_cfg.tokens_per_step} tokens/step; "
                 f"unigram baseline {unigram:.3f} nats"
             )
-            if self.pipe is not None:
-                progress.message(
-                    "checkpoints of a pipeline-parallel run are not supported yet: none is "
-                    "written; final_model.safetensors holds the weights at the end"
-                )
         try:
             self._loop(stop, writer, progress)
             # a signal from here on changes nothing: the ranks save and exit anyway

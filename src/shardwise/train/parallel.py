@@ -104,13 +104,34 @@ def _sequence_positions(model: GPT, tp_size: int) -> LayerFn:
     return LayerFn(add_positions, pos_emb=model.pos_emb, drop=model.drop)
 
 
-def _pipeline(model: GPT, run: RunConfig, mesh: Mesh) -> BuiltModel:
+def pipeline_names(model: GPT) -> dict[str, str]:
+    """``PipelineModule`` parameter names of ``model.pipeline_layers()`` (``layers.{i}.*`` by
+    index, ``tied.{key}.*``; a pipeline checkpoint's names) -> the plain GPT's names."""
     gpt_name = {id(p): name for name, p in model.named_parameters()}
+    out: dict[str, str] = {}
+    for i, entry in enumerate(model.pipeline_layers()):
+        prefix, module = (
+            (f"tied.{entry.key}", entry.source)
+            if isinstance(entry, Tied)
+            else (f"layers.{i}", entry)
+        )
+        assert isinstance(module, nn.Module)
+        out.update({f"{prefix}.{n}": gpt_name[id(p)] for n, p in module.named_parameters()})
+    return out
+
+
+def state_aliases(model: GPT) -> dict[str, str]:
+    """State-dict names of ``model`` that repeat another entry's tensor (the tied head) -> it."""
     first: dict[int, str] = {}
     aliases = {}
     for name, t in model.state_dict(keep_vars=True).items():
         if first.setdefault(id(t), name) != name:
             aliases[name] = first[id(t)]
+    return aliases
+
+
+def _pipeline(model: GPT, run: RunConfig, mesh: Mesh) -> BuiltModel:
+    names, aliases = pipeline_names(model), state_aliases(model)
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gpt_loss
     if mesh.tp_size > 1:
         # tensor parallelism goes onto the whole GPT, before the split: its plan names the
@@ -129,5 +150,4 @@ def _pipeline(model: GPT, run: RunConfig, mesh: Mesh) -> BuiltModel:
         partition="parameters",
         virtual_stages=run.engine.pipeline_virtual_stages,
     )
-    names = {name: gpt_name[id(p)] for name, p in pipe.named_parameters(remove_duplicate=False)}
     return BuiltModel(pipe, names, aliases)
