@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.models.gpt import GPT, GPTConfig, tp_plan
+from shardwise.models.gpt import GPT, GPTConfig, pipeline_tp_plan, tp_plan
+from shardwise.pipeline import LayerStack
 from shardwise.tp import rng
 from shardwise.tp.placement import TPPlacement
 from shardwise.tp.plan import expand, resolve
@@ -28,6 +29,22 @@ def test_gpt_plan_resolves_every_layer():
         resolve(model, {"head": "columnwise"})
     with pytest.raises(TypeError, match="module-name patterns"):
         resolve(model, {3: "colwise"})
+
+
+def test_gpt_pipeline_plan_names_the_pipeline_layers_like_tp_plan_the_gpt():
+    # the same modules get the same styles under the pipeline's names (layers.{i}, tied.{key})
+    model = GPT(GPTConfig(vocab_size=37, seq_len=8, n_layer=3, n_head=4, d_model=16))
+    whole = resolve(model, tp_plan())
+    stack = LayerStack(model.pipeline_layers())
+    styles = resolve(stack, pipeline_tp_plan(model.cfg))
+    modules = dict(stack.named_modules())
+    by_module = {id(m): n for n, m in model.named_modules()}
+    got = {by_module[id(modules[name])]: style for name, style in styles.items()}
+    assert got == {n: s for n, s in whole.items() if n != "head"}  # the head is the tied embedding
+    assert styles["tied.tok_emb"] == "vocab_embedding" and styles["layers.5"] == "sequence"
+    unmatched: list[str] = []
+    resolve(stack, {"layers.*.mlp.fc_in": "colwise", "layers.9.ln": "sequence"}, unmatched)
+    assert unmatched == ["layers.9.ln"]
 
 
 @pytest.mark.parametrize("n,tp", [(10, 4), (9, 4), (8, 4), (37, 2)])

@@ -112,6 +112,27 @@ def tp_plan() -> dict[str, str]:
     }
 
 
+def pipeline_tp_plan(cfg: GPTConfig) -> dict[str, str]:
+    """``tp_plan()`` for a ``PipelineModule`` over ``GPT(cfg).pipeline_layers()``, under its
+    names: ``tied.tok_emb``, ``layers.1`` (positions), ``layers.{2..n_layer+1}`` (blocks),
+    ``layers.{n_layer+2}`` (the final norm). Apply it per stage with
+    ``shardwise.tp.parallelize(pipe, mesh, pipeline_tp_plan(cfg))``: the tied head then
+    returns vocab-sharded logits, whose loss is ``shardwise.tp.vocab_parallel_cross_entropy``
+    over ``mesh.group("tp")`` with ``vocab_size=cfg.vocab_size``. Without sequence
+    parallelism (the positions layer reads the sequence length from its input)."""
+    return {
+        "tied.tok_emb": "vocab_embedding",
+        "layers.1.pos_emb": "sequence",
+        "layers.*.drop": "sequence",
+        "layers.*.ln_{attn,mlp}": "sequence",
+        "layers.*.attn.{q,k,v}_proj": "colwise",
+        "layers.*.attn.out_proj": "rowwise",
+        "layers.*.mlp.fc_in": "colwise",
+        "layers.*.mlp.fc_out": "rowwise",
+        f"layers.{cfg.n_layer + 2}": "sequence",
+    }
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where each position sees only itself and earlier positions.
 
@@ -253,7 +274,8 @@ class GPT(nn.Module):
         the token embedding, positions (+ dropout), the blocks, the final norm and the head. The
         head and the token embedding are one ``Tied("tok_emb")`` entry, so the first and last
         stage keep bitwise-equal copies. The stages output logits; the matching loss is
-        ``F.cross_entropy(logits.flatten(0, 1), targets.flatten())``."""
+        ``F.cross_entropy(logits.flatten(0, 1), targets.flatten())`` (tensor parallel: see
+        ``pipeline_tp_plan``)."""
         from shardwise.pipeline import LayerFn, Tied
 
         def add_positions(layer: Any, x: torch.Tensor) -> torch.Tensor:  # a LayerFn
@@ -261,6 +283,10 @@ class GPT(nn.Module):
             return layer.drop(x + layer.pos_emb(pos))  # [batch, seq, d_model]
 
         def head(emb: nn.Module, h: torch.Tensor) -> torch.Tensor:
+            # a vocab-parallel embedding (pipeline_tp_plan) projects onto its own rows
+            project = getattr(emb, "project", None)
+            if project is not None:
+                return project(h)  # [batch, seq, vocab_size // tp]
             weight = emb.weight
             assert isinstance(weight, torch.Tensor)
             return F.linear(h, weight)  # [batch, seq, vocab_size]

@@ -194,5 +194,24 @@ class VocabParallelEmbedding(nn.Embedding):
             return mappings.reduce_from_tp(out, self.region.group)
         return self.region.leave(out)
 
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """This embedding as a tied output head: ``h [..., embedding_dim]`` (replicated, or
+        sequence-sharded under SP) -> logits over this rank's rows ``[..., vocab / tp]`` (padded
+        rows give logits a loss must ignore: ``cross_entropy`` does). Communicates as a
+        column-parallel layer's input (backward all_reduce; under SP, all_gather forward)."""
+        full, regather = self.region.enter(h)
+        if regather is None:
+            return F.linear(full, self.weight)
+        return shard_saving_linear(full, h, self.weight, None, regather)
+
+    def cross_entropy(
+        self, local_logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
+    ) -> torch.Tensor:
+        """Mean cross-entropy of ``project``'s vocab-sharded logits (see
+        ``vocab_parallel_cross_entropy``)."""
+        return vocab_parallel_cross_entropy(
+            local_logits, targets, self.region.group, ignore_index, vocab_size=self.num_embeddings
+        )
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, tp={self.region.group.size}"

@@ -15,7 +15,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from shardwise.comm.objects import all_gather_object
 from shardwise.mesh import Mesh
+from shardwise.pipeline.stage import PipelineModule
 from shardwise.placement import mark_sharded
 from shardwise.tp import mappings, rng, state
 from shardwise.tp.entry import SequenceEntries, gather_on_entry
@@ -26,7 +28,7 @@ from shardwise.tp.layers import (
     VocabParallelEmbedding,
 )
 from shardwise.tp.placement import TPPlacement
-from shardwise.tp.plan import PLACE_STYLES, resolve
+from shardwise.tp.plan import PLACE_STYLES, resolve, unmatched_error
 
 
 class TensorParallel:
@@ -236,6 +238,20 @@ def _replicate_rest(tp: TensorParallel) -> None:
             tp._replicate(p, name, partial=False)
 
 
+def _resolve(model: nn.Module, mesh: Mesh, plan: Mapping[str, str]) -> dict[str, str]:
+    """The plan's styles for ``model``; on a ``PipelineModule`` a pattern must match on some
+    stage (agreed over pp), not on each."""
+    if not isinstance(model, PipelineModule):
+        return resolve(model, plan)
+    unmatched: list[str] = []
+    styles = resolve(model, plan, unmatched)
+    per_stage = all_gather_object(unmatched, group=mesh.group("pp"))
+    for pattern in plan:
+        if all(pattern in stage for stage in per_stage):
+            raise unmatched_error(pattern, plan[pattern], model)
+    return styles
+
+
 def parallelize(
     model: nn.Module, mesh: Mesh, plan: Mapping[str, str], sequence_parallel: bool = False
 ) -> TensorParallel:
@@ -248,17 +264,22 @@ def parallelize(
         sequence_parallel: run ``sequence`` modules on 1/tp of the sequence (dim 1 of
             ``[batch, seq, hidden]`` activations); the sequence length must divide by tp.
 
+    A ``PipelineModule`` is split stage by stage under its own names (``layers.{i}.*`` by
+    global layer index, ``tied.{key}.*``): each pp rank applies the plan to the layers it
+    holds, and a pattern need only match on some stage.
+
     Returns the ``TensorParallel`` record (placements, full state dicts). Under sequence
     parallelism the replicated parameters of ``sequence`` modules and the row-parallel biases
     see 1/tp of the tokens: a gradient hook all-reduces each one's gradient over tp in every
     backward, so nothing is owed at step time.
     Raises ``ValueError``/``TypeError`` naming the module for a pattern matching nothing, a
     dimension that does not divide by tp (other than a vocabulary), or a module whose type does
-    not fit its style. Communicates nothing.
+    not fit its style. Communicates nothing (a ``PipelineModule``: one all_gather_object over
+    pp of the patterns matching nothing on each stage: two all_gathers).
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a shardwise Mesh, got {type(mesh).__name__}")
-    styles = resolve(model, plan)
+    styles = _resolve(model, mesh, plan)
     _validate(model, styles, mesh.tp_size, bool(sequence_parallel))
     modules = dict(model.named_modules())
     tp = TensorParallel(model, mesh, bool(sequence_parallel))

@@ -77,9 +77,22 @@ def _check_module(name: str, module: nn.Module, style: str) -> None:
         )
 
 
-def resolve(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+def unmatched_error(pattern: str, style: str, model: nn.Module) -> ValueError:
+    """The error for a plan pattern that names no module of ``model``."""
+    modules = dict(model.named_modules())
+    return ValueError(
+        f"plan pattern {pattern!r} ({style}) matches no module of "
+        f"{type(model).__name__}; module names look like {_sample(modules)}"
+    )
+
+
+def resolve(
+    model: nn.Module, plan: Mapping[str, str], unmatched: list[str] | None = None
+) -> dict[str, str]:
     """``{module name: style}`` in model order; raises on a pattern matching no module, a module
-    given two styles, or a module of the wrong type for its style."""
+    given two styles, or a module of the wrong type for its style. With ``unmatched`` (a list),
+    patterns matching no module are appended to it instead of raising (a pipeline stage holds
+    only some of the model's layers)."""
     _check_types(plan)
     modules = dict(model.named_modules())
     styles: dict[str, str] = {}
@@ -89,11 +102,10 @@ def resolve(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
             for name in modules
             if name and any(fnmatch.fnmatchcase(name, p) for p in expand(pattern))
         ]
-        if not matched:
-            raise ValueError(
-                f"plan pattern {pattern!r} ({style}) matches no module of "
-                f"{type(model).__name__}; module names look like {_sample(modules)}"
-            )
+        if not matched and unmatched is not None:
+            unmatched.append(pattern)
+        elif not matched:
+            raise unmatched_error(pattern, style, model)
         for name in matched:
             if styles.get(name, style) != style:
                 raise ValueError(
