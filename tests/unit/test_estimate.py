@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
+from fractions import Fraction
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from shardwise.cli import estimate_cmd
+from shardwise.cli.estimate_cmd import run_estimate
+from shardwise.cli.main import main as cli_main
 from shardwise.estimate import (
     StageEstimate,
     estimate_activations,
@@ -18,6 +23,9 @@ from shardwise.estimate import (
     parse_bytes,
 )
 from shardwise.models import GPT, GPTConfig
+from shardwise.pipeline import estimate as ppe
+from shardwise.pipeline.simulate import simulate
+from shardwise.tp import estimate as tpe
 
 # (params, grads, optimizer) bytes per element and which of them a stage shards.
 _PER_ELEMENT = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
@@ -215,3 +223,100 @@ def test_fp32_reduction_keeps_fp32_gradient_shards() -> None:
         assert default[stage].grads_bytes == paper[stage].grads_bytes == 2 * 1200
     for stage in (2, 3):
         assert default[stage].grads_bytes == 2 * paper[stage].grads_bytes == 4 * 300
+
+
+# ---- pipeline parallelism (``shardwise estimate --pp``) -------------------------------------
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3])
+def test_pipeline_params_per_rank_count_the_gpts_modules(pp: int) -> None:
+    cfg = GPTConfig(vocab_size=37, seq_len=8, n_layer=5, n_head=4, d_model=16)
+    model = GPT(cfg)
+
+    def count(*modules: nn.Module) -> int:
+        return sum(p.numel() for m in modules for p in m.parameters())
+
+    blocks = ppe.blocks_per_rank(cfg.n_layer, pp)
+    assert blocks == {1: [5], 2: [3, 2], 3: [2, 2, 1]}[pp]
+    starts = [sum(blocks[:r]) for r in range(pp)]
+    want = [count(*model.blocks[s : s + n]) for s, n in zip(starts, blocks)]
+    want[0] += count(model.tok_emb, model.pos_emb)
+    want[-1] += count(model.ln_f) + (count(model.tok_emb) if pp > 1 else 0)  # the tied copy
+    assert ppe.gpt_params_per_pp_rank(cfg, pp) == want
+    # under tp each rank holds its tp share: the same sum as tp.estimate's, plus the tied copy
+    for tp in (2, 4):
+        sharded, replicated = tpe.gpt_params_per_rank(cfg, tp)
+        copy = (19 if tp == 2 else 10) * 16 if pp > 1 else 0  # ceil(37 / tp) rows of 16
+        assert sum(ppe.gpt_params_per_pp_rank(cfg, pp, tp)) == sharded + replicated + copy
+
+
+def test_pipeline_in_flight_per_schedule() -> None:
+    for p, m in ((4, 2), (4, 8), (3, 5)):
+        assert ppe.peak_in_flight("gpipe", p, m) == [m] * p
+        assert ppe.peak_in_flight("1f1b", p, m) == [min(p - r, m) for r in range(p)]
+    for name, v in (("interleaved_1f1b", 2), ("zb_h1", 1)):
+        sim = simulate(name, 4, 8, virtual_stages=v)
+        want = [Fraction(sim.peak_inflight[r], v) for r in range(4)]
+        assert ppe.peak_in_flight(name, 4, 8, v) == want
+    # interleaved (Megatron-LM's warm-up): rank r runs (v - 1) * p + 2 * (p - 1 - r) forward
+    # chunks before its first backward, holding one more: at p = v = 2, rank 0 holds 5 chunks
+    assert ppe.peak_in_flight("interleaved_1f1b", 2, 4, 2)[0] == Fraction(5, 2)
+
+
+def test_pipeline_activation_bytes_from_the_formulas() -> None:
+    cfg = GPTConfig(vocab_size=37, seq_len=8, n_layer=4, n_head=2, d_model=16)
+    s, b, h, a = 8, 2, 16, 2
+    per_layer = s * b * h * (34 + 5 * a * s // h)  # 256 * 39 = 9984 bytes, no parallelism
+    assert per_layer == 9984
+    got = ppe.gpt_pipeline_estimate(cfg, 2, "1f1b", 4, b, s)
+    assert [r.blocks for r in got] == [2, 2] and [r.in_flight for r in got] == [2, 1]
+    assert [r.activation_bytes["none"] for r in got] == [2 * 2 * 9984, 1 * 2 * 9984]
+    assert [r.activation_bytes["full"] for r in got] == [2 * 2 * 2 * s * b * h, 2 * 2 * s * b * h]
+    gpipe = ppe.gpt_pipeline_estimate(cfg, 2, "gpipe", 4, b, s, tp=2, sequence_parallel=True)
+    sp_layer = s * b * h * (34 + 5 * a * s // h) // 2  # Korthikanti, tp + SP: all of it / t
+    assert [r.activation_bytes["none"] for r in gpipe] == [4 * 2 * sp_layer] * 2
+    assert [r.params for r in gpipe] == ppe.gpt_params_per_pp_rank(cfg, 2, 2)
+    chunked = ppe.gpt_pipeline_estimate(cfg, 2, "interleaved_1f1b", 4, b, s, virtual_stages=2)
+    for r, one in enumerate(chunked):  # a chunk holds one of the rank's two blocks
+        flight = ppe.peak_in_flight("interleaved_1f1b", 2, 4, 2)[r]
+        assert one.activation_bytes["selective"] == flight * 2 * s * b * h * 34
+
+
+def test_pipeline_estimate_refusals() -> None:
+    cfg = GPTConfig(vocab_size=37, seq_len=8, n_layer=4, n_head=2, d_model=16)
+    with pytest.raises(ValueError, match="n_layer=4"):
+        ppe.blocks_per_rank(4, 5)
+    with pytest.raises(ValueError, match="virtual_stages=3"):
+        ppe.gpt_pipeline_estimate(cfg, 2, "interleaved_1f1b", 4, 1, 8, virtual_stages=3)
+    with pytest.raises(ValueError, match="interleaved_1f1b"):
+        ppe.gpt_pipeline_estimate(cfg, 2, "1f1b", 4, 1, 8, virtual_stages=2)
+
+
+def _estimate(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    assert cli_main(["estimate", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_estimate_cli_with_pp(capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = GPTConfig.named("small")
+    out = _estimate(capsys, "--model", "small", "--world-size", "8", "--pp", "2", "--tp", "2")
+    assert "8 ranks = dp 2 x tp 2 x pp 2" in out and "pipeline 1f1b, 2 micro-batches" in out
+    ranks = ppe.gpt_pipeline_estimate(cfg, 2, "1f1b", 2, 16, cfg.seq_len, tp=2)
+    for r in ranks:
+        assert f"{r.params:,}" in out
+    states = [estimate_model_states(r.params, 2)[0].device_bytes for r in ranks]
+    peak = max(st + r.activation_bytes["none"] for st, r in zip(states, ranks))
+    assert f"{peak / 2**20:.2f} MiB" in out
+    for argv, match in (
+        (["--microbatches", "4"], "--microbatches describes a pipeline"),
+        (["--pp", "3", "--world-size", "4"], "must divide --world-size 4"),
+        (["--pp", "2", "--world-size", "2", "--microbatches", "0"], "--microbatches must be"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            run_estimate(_args(["--model", "small", *argv]))
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    estimate_cmd.add_parser(parser.add_subparsers())
+    return parser.parse_args(["estimate", *argv])

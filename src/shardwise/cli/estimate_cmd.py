@@ -19,6 +19,8 @@ from shardwise.estimate import (
     parse_bytes,
 )
 from shardwise.models.gpt import MODEL_SIZES, GPTConfig
+from shardwise.pipeline import estimate as pp_estimate
+from shardwise.pipeline.schedule import SCHEDULES
 from shardwise.tp import estimate as tp_estimate
 
 MAX_PARAMS = 10**15
@@ -26,6 +28,8 @@ MAX_PARAMS = 10**15
 MAX_WORLD = 10**7
 MAX_TOKENS = 10**9
 """Largest micro-batch, sequence length, or their product, accepted."""
+MAX_MICROBATCHES = 4096
+"""Largest --microbatches accepted (the schedule is simulated action by action)."""
 
 _COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
@@ -116,6 +120,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="with --tp: activations under sequence parallelism",
     )
+    p.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="with --model: pipeline stages (the world is dp x tp x pp; ZeRO over dp)",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=list(SCHEDULES),
+        default=None,
+        help="with --pp: the pipeline schedule (default 1f1b)",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="with --pp: micro-batches per step (default: --pp)",
+    )
+    p.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=1,
+        help="with --schedule interleaved_1f1b: model chunks per rank (default 1)",
+    )
     p.set_defaults(func=run_estimate)
 
 
@@ -132,19 +160,116 @@ def _tp_activation_lines(cfg: GPTConfig, args: argparse.Namespace, seq_len: int)
     return "\n".join([head, *rows])
 
 
-def _peak_table(states: dict[int, int], act: int, act_ckpt: int, device: int | None) -> str:
+def _peak_table(peaks: dict[int, tuple[int, int, int]], device: int | None) -> str:
+    """Per ZeRO stage: (model states, peak, peak with activation checkpointing) bytes."""
     header = ["stage", "model states", "peak", "peak (act. ckpt)"]
     if device is not None:
         header.append(f"fits {format_bytes(device)}")
     rows = [header]
-    for stage, s in sorted(states.items()):
-        row = [str(stage), format_bytes(s), format_bytes(s + act), format_bytes(s + act_ckpt)]
+    for stage, (s, plain, ckpt) in sorted(peaks.items()):
+        row = [str(stage), format_bytes(s), format_bytes(plain), format_bytes(ckpt)]
         if device is not None:
-            fits = ["yes" if s + act <= device else "no", "yes" if s + act_ckpt <= device else "no"]
+            fits = ["yes" if plain <= device else "no", "yes" if ckpt <= device else "no"]
             row.append(" / ".join(fits) + " (plain / ckpt)")
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def _model(args: argparse.Namespace) -> tuple[GPTConfig | None, int]:
+    """The --model preset (None with --params) and the parameter count."""
+    if args.model is None:
+        return None, parse_count(args.params)
+    if args.model not in MODEL_SIZES:
+        raise ValueError(
+            f"--model {args.model!r} is unknown: choose one of {', '.join(MODEL_SIZES)}"
+        )
+    cfg = GPTConfig.named(args.model)
+    return cfg, cfg.param_count()
+
+
+def _check_pipeline(args: argparse.Namespace, cfg: GPTConfig | None) -> tuple[int, int]:
+    """``(dp, microbatches)`` of a --pp estimate; the pipeline flags need --pp > 1."""
+    if args.pp == 1:
+        for flag, value in (
+            ("--schedule", args.schedule),
+            ("--microbatches", args.microbatches),
+            ("--virtual-stages", None if args.virtual_stages == 1 else args.virtual_stages),
+        ):
+            if value is not None:
+                raise ValueError(f"{flag} describes a pipeline: give it with --pp > 1")
+        return 0, 0
+    if cfg is None or args.pp < 1 or args.tp < 1 or args.world_size % (args.tp * args.pp):
+        raise ValueError(
+            f"--pp {args.pp} needs --model, and tp x pp = {args.tp} x {args.pp} must divide "
+            f"--world-size {args.world_size}"
+        )
+    m = args.pp if args.microbatches is None else args.microbatches
+    if not 1 <= m <= MAX_MICROBATCHES:
+        raise ValueError(f"--microbatches must be in 1..{MAX_MICROBATCHES}, got {m}")
+    return args.world_size // (args.tp * args.pp), m
+
+
+def _pipeline_table(ranks: list[pp_estimate.PipelineRankEstimate]) -> str:
+    header = ["pp rank", "blocks", "parameters", "in flight", *tp_estimate.RECOMPUTE]
+    rows = [header]
+    for r in ranks:
+        act = [format_bytes(r.activation_bytes[mode]) for mode in tp_estimate.RECOMPUTE]
+        rows.append([str(r.pp_rank), str(r.blocks), f"{r.params:,}", str(r.in_flight), *act])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows)
+
+
+def _run_pipeline(
+    args: argparse.Namespace, cfg: GPTConfig, num_params: int, device: int | None
+) -> int:
+    dp, m = _check_pipeline(args, cfg)
+    seq_len = args.seq_len or cfg.seq_len
+    schedule = args.schedule or "1f1b"
+    ranks = pp_estimate.gpt_pipeline_estimate(
+        cfg,
+        args.pp,
+        schedule,
+        m,
+        args.micro_batch,
+        seq_len,
+        virtual_stages=args.virtual_stages,
+        tp=args.tp,
+        sequence_parallel=args.sequence_parallel,
+    )
+    states = [
+        estimate_model_states(r.params, dp, args.precision, args.offload, args.reduce_dtype)
+        for r in ranks
+    ]
+    heaviest = max(range(args.pp), key=lambda i: ranks[i].params)
+    print(
+        f"{args.model} model, {num_params:,} parameters, {args.world_size} ranks = dp {dp} x "
+        f"tp {args.tp} x pp {args.pp}, {args.precision}"
+        f"{', optimizer offloaded to host' if args.offload else ''}; Adam(W) states"
+    )
+    print()
+    mode = f", tp={args.tp}" + (" + sequence parallel" if args.sequence_parallel else "")
+    print(
+        f"pipeline {schedule}, {m} micro-batches of {args.micro_batch} x {seq_len} tokens, "
+        f"{args.virtual_stages} virtual stage(s){mode}: parameters per rank and peak "
+        "transformer-layer activations by recompute (Korthikanti et al., 16-bit)"
+    )
+    print(_pipeline_table(ranks))
+    print()
+    print(f"model states per rank (pp rank {heaviest}, the most parameters; ZeRO over dp={dp})")
+    print(format_estimate_table(states[heaviest], None))
+    print()
+    print("peak per rank on the device (the largest over pp ranks; ckpt: full recompute)")
+    peaks = {
+        stage: (
+            max(s[stage].device_bytes for s in states),
+            max(s[stage].device_bytes + r.activation_bytes["none"] for s, r in zip(states, ranks)),
+            max(s[stage].device_bytes + r.activation_bytes["full"] for s, r in zip(states, ranks)),
+        )
+        for stage in states[0]
+    }
+    print(_peak_table(peaks, device))
+    return 0
 
 
 def run_estimate(args: argparse.Namespace) -> int:
@@ -154,16 +279,11 @@ def run_estimate(args: argparse.Namespace) -> int:
             f"--precision must be one of {', '.join(PRECISIONS)}, got {args.precision!r}"
         )
     device = parse_bytes(args.device_memory) if args.device_memory else None
-    cfg: GPTConfig | None = None
-    if args.model is not None:
-        if args.model not in MODEL_SIZES:
-            raise ValueError(
-                f"--model {args.model!r} is unknown: choose one of {', '.join(MODEL_SIZES)}"
-            )
-        cfg = GPTConfig.named(args.model)
-        num_params = cfg.param_count()
-    else:
-        num_params = parse_count(args.params)
+    cfg, num_params = _model(args)
+    _check_pipeline(args, cfg)
+    if args.pp != 1:
+        assert cfg is not None  # _check_pipeline refuses --pp without --model
+        return _run_pipeline(args, cfg, num_params, device)
     dp, held = args.world_size, num_params
     if args.tp != 1:
         if cfg is None or args.tp < 1 or args.world_size % args.tp:
@@ -199,5 +319,9 @@ def run_estimate(args: argparse.Namespace) -> int:
             print(_tp_activation_lines(cfg, args, seq_len))
         print()
         print("peak per rank on the device (model states + activations)")
-        print(_peak_table({s: e.device_bytes for s, e in estimates.items()}, act, act_ckpt, device))
+        peaks = {
+            s: (e.device_bytes, e.device_bytes + act, e.device_bytes + act_ckpt)
+            for s, e in estimates.items()
+        }
+        print(_peak_table(peaks, device))
     return 0

@@ -25,15 +25,22 @@ from shardwise.models.gpt import GPTConfig
 RECOMPUTE = ("none", "selective", "full")
 
 
-def gpt_params_per_rank(cfg: GPTConfig, tp: int) -> tuple[int, int]:
-    """``(sharded, replicated)`` parameter elements one tp rank of ``GPT(cfg)`` holds."""
+def gpt_block_params_per_rank(cfg: GPTConfig, tp: int) -> tuple[int, int]:
+    """``(sharded, replicated)`` parameter elements of one transformer block per tp rank."""
     if tp < 1 or cfg.n_head % tp or cfg.d_model % tp:
         raise ValueError(f"tp={tp} must be >= 1 and divide n_head={cfg.n_head} and d_model")
     d, b = cfg.d_model, int(cfg.bias)
-    vocab_rows = math.ceil(cfg.vocab_size / tp)  # the tied head shares these rows
     split_block = 3 * (d * d + b * d) + d * d + (4 * d * d + 4 * b * d) + 4 * d * d
     whole_block = 2 * (d + b * d) + 2 * b * d  # two norms, the row-parallel biases
-    sharded = vocab_rows * d + cfg.n_layer * split_block // tp
+    return split_block // tp, whole_block
+
+
+def gpt_params_per_rank(cfg: GPTConfig, tp: int) -> tuple[int, int]:
+    """``(sharded, replicated)`` parameter elements one tp rank of ``GPT(cfg)`` holds."""
+    split_block, whole_block = gpt_block_params_per_rank(cfg, tp)
+    d, b = cfg.d_model, int(cfg.bias)
+    vocab_rows = math.ceil(cfg.vocab_size / tp)  # the tied head shares these rows
+    sharded = vocab_rows * d + cfg.n_layer * split_block
     replicated = cfg.seq_len * d + cfg.n_layer * whole_block + (d + b * d)
     return sharded, replicated
 
