@@ -82,16 +82,21 @@ def _loss(mesh: shardwise.Mesh) -> functools.partial:
     )
 
 
-def _engine(mesh: shardwise.Mesh, zero_stage: int) -> shardwise.Engine:
-    pipe = PipelineModule(_gpt().pipeline_layers(), _loss(mesh), mesh)
+def _engine(
+    mesh: shardwise.Mesh, zero_stage: int, schedule: str = "1f1b", virtual_stages: int = 1
+) -> shardwise.Engine:
+    pipe = PipelineModule(
+        _gpt().pipeline_layers(), _loss(mesh), mesh, virtual_stages=virtual_stages
+    )
     tp = swtp.parallelize(pipe, mesh, pipeline_tp_plan(CFG))
     if mesh.tp_size > 1:
         assert any(p.sharded for p in tp.placements.values()), "this stage is tensor-parallel"
     cfg = shardwise.Config(
         zero_stage=zero_stage,
         gradient_clipping=CLIP,
-        pipeline_schedule="1f1b",
+        pipeline_schedule=schedule,
         pipeline_microbatches=2,
+        pipeline_virtual_stages=virtual_stages,
     )
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
     return shardwise.initialize(pipe, opt, cfg, group=mesh)
@@ -121,6 +126,12 @@ def _flat_steps(mesh: shardwise.Mesh, engine: shardwise.Engine, steps: range) ->
         losses.append(mean.item())
         norms.append(engine.grad_norm)
     return {"losses": losses, "norms": norms, "state": engine.state_dict()}
+
+
+def _interleaved() -> dict:
+    """tp2 x pp2, two model chunks per rank (interleaved 1F1B), ZeRO-2."""
+    mesh = shardwise.Mesh(dp=1, tp=2, pp=2)
+    return _steps(mesh, _engine(mesh, 2, "interleaved_1f1b", 2), range(STEPS))
 
 
 def _unmatched_refusal() -> str:
@@ -182,6 +193,7 @@ def _tp2_pp2_save(root: str, again: str) -> dict:
         "pp_only": pp_only,
         "tp_only": tp_only,
         "refused": _unmatched_refusal(),
+        "interleaved": _interleaved(),
     }
 
 
@@ -235,7 +247,8 @@ def test_gpt_tp2_pp2_checkpoint_continues_in_one_process(tmp_path: Path) -> None
     """4 ranks at ZeRO-0 match one process; the checkpoint saved there (each tp piece a box of
     the whole tensor, the tied embedding once) continues identically at tp1 x pp2 (ZeRO-3), at
     tp2 x pp1 (ZeRO-2, a tensor-parallel ``LayerStack``) and at pp1 x tp1 in one process; the
-    tp2 x pp1 checkpoint loads back at tp2 x pp2; a plan pattern matching no stage is refused."""
+    tp2 x pp1 checkpoint loads back at tp2 x pp2; interleaved 1F1B (two chunks per rank) at
+    ZeRO-2 matches too; a plan pattern matching no stage is refused."""
     ref = _reference()
     root = str(tmp_path / "ckpt")
     outs = run_on_ranks(4, _tp2_pp2_save, root, str(tmp_path / "again"), timeout_s=900)
@@ -250,6 +263,7 @@ def test_gpt_tp2_pp2_checkpoint_continues_in_one_process(tmp_path: Path) -> None
         for k, v in out["back"].items():
             torch.testing.assert_close(v, out["tp_only"]["state"][k], rtol=0, atol=0, msg=k)
         assert "'layers.*.mlp.nothing'" in out["refused"], out["refused"]
+        _check(out["interleaved"], ref, range(STEPS))
     with CheckpointReader(root) as reader:
         for name in ("model/layers.2.attn.q_proj.weight", "model/tied.tok_emb.weight"):
             record = reader.manifest.tensors[name]
