@@ -273,3 +273,20 @@ def test_gpt_tp2_pp2_checkpoint_continues_in_one_process(tmp_path: Path) -> None
     assert one["at"] == SAVED_AT
     _check(one, ref, range(SAVED_AT, STEPS))
     assert set(one["state"]) == set(ref["weights"][0])
+
+
+def _sequence_parallel_refused() -> str:
+    mesh = shardwise.Mesh(dp=1, tp=2, pp=1)
+    stack = LayerStack(_gpt().pipeline_layers(), _loss(mesh))
+    swtp.parallelize(stack, mesh, pipeline_tp_plan(CFG), sequence_parallel=True)
+    try:
+        stack(*_batch(0))
+    except ValueError as exc:
+        return str(exc)
+    return "ran"
+
+
+def test_gpt_pipeline_layers_refuse_sequence_parallelism() -> None:
+    """Not silently wrong: the positions layer would add a slice of a slice of the positions."""
+    for got in run_on_ranks(2, _sequence_parallel_refused):
+        assert "does not support sequence parallelism" in got, got

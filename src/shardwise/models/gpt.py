@@ -280,7 +280,14 @@ class GPT(nn.Module):
 
         def add_positions(layer: Any, x: torch.Tensor) -> torch.Tensor:  # a LayerFn
             pos = torch.arange(x.shape[1], device=x.device)
-            return layer.drop(x + layer.pos_emb(pos))  # [batch, seq, d_model]
+            pos_emb = layer.pos_emb(pos)  # [seq, d_model]
+            if pos_emb.shape[0] != x.shape[1]:  # a position embedding that keeps a slice
+                raise ValueError(
+                    f"the positions layer got {x.shape[1]} positions but its embedding returned "
+                    f"{pos_emb.shape[0]}: GPT.pipeline_layers() does not support sequence "
+                    "parallelism (the layer reads the sequence length from its input)"
+                )
+            return layer.drop(x + pos_emb)  # [batch, seq, d_model]
 
         def head(emb: nn.Module, h: torch.Tensor) -> torch.Tensor:
             # a vocab-parallel embedding (pipeline_tp_plan) projects onto its own rows
