@@ -42,6 +42,7 @@ def _train(
     v: int,
     accum: int,
     regather: bool = True,
+    recompute: bool = False,
 ) -> dict:
     pipe = PipelineModule(pc.layers(N_BLOCKS), pc.lm_loss, mesh, virtual_stages=v, seed=pc.SEED)
     cfg = shardwise.Config(
@@ -52,6 +53,7 @@ def _train(
         pipeline_microbatches=m,
         pipeline_virtual_stages=v,
         pipeline_zero3_regather=regather,
+        activation_checkpointing=["Mix"] if recompute else None,
     )
     engine = shardwise.initialize(
         pipe, torch.optim.AdamW(pipe.parameters(), lr=LR), cfg, group=mesh
@@ -118,6 +120,7 @@ PP2 = [
     (1, "interleaved_1f1b", 4, 2, 1),
     (2, "1f1b", 2, 1, 2),  # accumulation 2 x m 2
     (0, "1f1b", 1, 1, 1),
+    (1, "1f1b", 4, 1, 1, True, True),  # activation checkpointing of every block
 ]
 
 
@@ -144,6 +147,7 @@ DP2_PP2_ZERO3 = [
     (3, "1f1b", 2, 1, 1, False),
     (3, "zb_h1", 2, 1, 1, True),
     (3, "gpipe", 1, 1, 2, False),  # accumulation 2: held over both chunks of the step
+    (3, "1f1b", 2, 1, 1, False, True),  # and with activation checkpointing
 ]
 
 
@@ -156,7 +160,7 @@ def test_dp2_pp2_zero3_engine_matches_one_process() -> None:
     for r in range(4):
         for i, config in enumerate(DP2_PP2_ZERO3):
             out = results[r][i]
-            if config[-1]:
+            if config[5]:  # regather
                 assert out["gathered_bytes"] > out["flat_bytes"], (config, r)
             else:
                 assert out["gathered_bytes"] == out["flat_bytes"], (config, r)
