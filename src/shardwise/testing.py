@@ -11,6 +11,7 @@ out retires the pool (its ranks may be stuck in a collective); the next task get
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -40,6 +41,31 @@ def _reset_rank_state(seed: int, pg_timeout_s: float) -> None:
 
     current_world.attach(timeout=pg_timeout_s)
     seed_all(seed)
+
+
+def _release_task_groups(pg_timeout_s: float) -> None:
+    """After a task that succeeded here: once every rank is past it (a barrier on the default
+    group), destroy the process groups it formed and collect them. Each live gloo group keeps
+    worker threads that cost CPU while idle (12 threads per dp2 x tp2 mesh), and a pool runs
+    hundreds of tasks. A rank not arriving keeps them (a failed task closes the pool anyway)."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from shardwise.checkpoint.async_writer import finish_pending_saves
+
+    finish_pending_saves("after a task")
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=pg_timeout_s))
+    except Exception:
+        return
+    default = c10d._get_default_group()
+    for pg in list(c10d._world.pg_map):
+        if pg is not default:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(pg)
+    gc.collect()
 
 
 def _worker(
@@ -79,6 +105,7 @@ def _worker(
         try:
             _reset_rank_state(seed, pg_timeout_s)
             value = fn(*args, **kwargs)
+            _release_task_groups(pg_timeout_s)
             results.put((rank, "ok", value))
         except BaseException:
             results.put((rank, "error", traceback.format_exc()))
