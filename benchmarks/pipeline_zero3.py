@@ -54,7 +54,7 @@ def run_rank(regather: bool, model_name: str, m: int, seqs: int, steps: int) -> 
     flats = [f for f in engine.flats if f.stage.shard_params]
     held = [0]
 
-    def watching(f: object, wait: object) -> object:
+    def watching(wait: object) -> object:
         def wait_then_measure() -> None:  # a gather just completed: the most held right now
             wait()  # type: ignore[operator]
             now = sum(g.padded * g.full.element_size() for g in flats if g.holds_values)
@@ -63,7 +63,7 @@ def run_rank(regather: bool, model_name: str, m: int, seqs: int, steps: int) -> 
         return wait_then_measure
 
     for f in flats:
-        f.wait_gather = watching(f, f.wait_gather)
+        f.wait_gather = watching(f.wait_gather)
     gen = torch.Generator().manual_seed(1 + mesh.rank("dp"))
     times, gathered = [], []
     for i in range(steps + 1):
