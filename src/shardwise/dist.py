@@ -182,19 +182,20 @@ def adopt_process_group() -> Joined:
     return Joined(env, dist.get_backend(), owns_group=False)
 
 
-_BEFORE_LEAVING: list[Callable[[], None]] = []
+_BEFORE_LEAVING: list[Callable[[str], None]] = []
 
 
-def before_leaving(hook: Callable[[], None]) -> None:
-    """Run ``hook`` when shardwise leaves the process group, before the groups are destroyed
-    (e.g. to finish background checkpoint saves, whose groups go away next)."""
+def before_leaving(hook: Callable[[str], None]) -> None:
+    """Run ``hook(when)`` when shardwise leaves the process group, before the groups are
+    destroyed (e.g. to finish background checkpoint saves, whose groups go away next); ``when``
+    says which end it is, e.g. "at exit"."""
     _BEFORE_LEAVING.append(hook)
 
 
-def run_before_leaving() -> None:
+def run_before_leaving(when: str) -> None:
     """Run the ``before_leaving`` hooks (they may still communicate on their own groups)."""
     for hook in _BEFORE_LEAVING:
-        hook()
+        hook(when)
 
 
 def leave_process_group() -> None:

@@ -226,4 +226,4 @@ def finish_pending_saves(when: str = "at exit", timeout_s: float | None = None) 
 
 
 atexit.register(finish_pending_saves)
-sw_dist.before_leaving(lambda: finish_pending_saves("at shardwise.shutdown()"))
+sw_dist.before_leaving(finish_pending_saves)

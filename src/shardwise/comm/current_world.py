@@ -6,6 +6,7 @@ Library code never reads it: every library function takes its group (or mesh) as
 
 from __future__ import annotations
 
+import atexit
 import logging
 
 import torch
@@ -21,6 +22,7 @@ log = logging.getLogger("shardwise")
 DEFAULT_TIMEOUT_S = sw_dist.DEFAULT_TIMEOUT_S
 
 _current: World | None = None
+_exit_registered = False
 
 
 def _world_of(joined: sw_dist.Joined, timeout_s: float) -> World:
@@ -48,6 +50,8 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S) -> World:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
     if _current is None:
         _current = _world_of(sw_dist.form_process_group(backend, timeout), timeout)
+        if _current.owns_pg:
+            _leave_at_exit_once()
     return _current
 
 
@@ -76,12 +80,40 @@ def shutdown() -> None:
     global _current
     world, _current = _current, None
     if world is not None and world.owns_pg and dist.is_initialized():
-        # The hooks first (a background save still talks on its own group), then leave
-        # together: a gloo rank that tears down its pairs while a peer is still sending (on any
-        # group) can abort that peer.
-        sw_dist.run_before_leaving()
-        if world.world_size > 1:
-            ops.barrier(group=world.group)
+        _leave(world, "at shardwise.shutdown()", together=True)
+
+
+def _leave(world: World, when: str, together: bool) -> None:
+    """The hooks first (a background save still talks on its own group), then leave (after a
+    barrier when ``together``: a gloo rank that tears down its pairs while a peer is still
+    sending, on any group, can abort that peer)."""
+    sw_dist.run_before_leaving(when)
+    if together and world.world_size > 1:
+        ops.barrier(group=world.group)
+    sw_dist.leave_process_group()
+
+
+def _leave_at_exit_once() -> None:
+    """At the end of a process that formed its group and never called ``shutdown()``, leave it
+    while the interpreter is still whole: torch's gloo groups left to the interpreter's teardown
+    can abort the process ("terminate called without an active exception")."""
+    global _exit_registered
+    if not _exit_registered:
+        _exit_registered = True
+        atexit.register(_leave_at_exit)
+
+
+def _leave_at_exit() -> None:
+    global _current
+    world, _current = _current, None
+    if world is None or not world.owns_pg or not dist.is_initialized():
+        return
+    # No barrier: the process may be ending on an error (a KeyboardInterrupt, sys.exit(1)) while
+    # its peers still compute; ending leaves its links anyway, this only does it in order.
+    try:
+        _leave(world, "at exit", together=False)
+    except Exception as exc:  # the process is ending: say so and leave anyway
+        log.warning("rank %d: leaving the process group at exit: %s", world.rank, exc)
         sw_dist.leave_process_group()
 
 

@@ -2,8 +2,10 @@
 (``--shutdown``: after ``shardwise.shutdown()``)."""
 
 import argparse
+import atexit
 
 import torch
+import torch.distributed as dist
 
 import shardwise
 
@@ -11,6 +13,13 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--checkpoint-dir", required=True)
 parser.add_argument("--shutdown", action="store_true")
 args = parser.parse_args()
+
+
+def report_left() -> None:  # registered before init: runs after shardwise's own exit handler
+    print(f"process group still formed at exit: {dist.is_initialized()}", flush=True)
+
+
+atexit.register(report_left)
 shardwise.init()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
