@@ -1,19 +1,24 @@
 """All-reduce algorithms measured against the alpha-beta prediction from the measured links.
 
     python benchmarks/allreduce_algorithms.py                        # 2 emulated nodes x 2 ranks
-    python benchmarks/allreduce_algorithms.py --world 2 --nodes 0,0 --link ""   # calibration
-    python benchmarks/allreduce_algorithms.py --sizes-mib 1,4,16,64
+    python benchmarks/allreduce_algorithms.py --world 2 --nodes 0,0 --link ""   # one node
+    python benchmarks/allreduce_algorithms.py --sizes-mib 1,2,4,8,16,32 --calibrate-mib 1,16
 
 Every rank first runs ``shardwise.topology.discover`` (with the link emulator on when ``--link``
-is given: messages between the emulated nodes wait alpha + bytes/bw), then times each algorithm
-at each size (in turns): a barrier, the all_reduce, the slowest rank's time; the median over
-``--iters``.
-``predicted`` is ``shardwise.comm.schedules.predict_seconds`` from the measured links (the
-backend's own ``native`` is priced as a ring; the emulator does not delay it). With
-``--calibrate-mib S`` each algorithm's measured/predicted ratio at size S becomes its efficiency
-factor and the other sizes are predicted with it (the error column then shows the model after
-one calibration per algorithm). The summary compares hierarchical with the flat ring (measured
-ratio against predicted ratio) and checks that ``auto`` is never more than 1.25x the best.
+is given: messages between the emulated nodes wait alpha + bytes/bw). Then each algorithm is
+timed at each size (in turns): a barrier, 4 all_reduces back to back (as nccl-tests times a
+block), the slowest rank's time per call; the median over ``--iters``; ``auto`` chooses with
+the discovered links, as ``Config(allreduce_algorithm="auto")`` does. In the same turns the
+comm layer's ring inside every node at once (the ranks sharing the cores as they do in the
+algorithms) is timed: at the ``--calibrate-mib`` sizes it calibrates the model's link inside a
+node (``costmodel.calibrate.fit_schedule_link``; between CPU processes the link is half-duplex,
+``LinkCost.duplex``); the link across nodes stays the one discovery measured. ``predicted`` is
+``shardwise.comm.schedules.predict_seconds`` from those links; the backend's own ``native``
+(which the emulator does not delay) is priced as a ring with the ring step fitted to its own
+times at the calibration sizes (``fit_ring_step``). Rows at a
+calibration size are marked ``cal``; the others test the model. The summary compares
+hierarchical with the flat ring (measured ratio against predicted ratio) and checks that
+``auto`` is never more than 1.25x the best.
 """
 
 from __future__ import annotations
@@ -23,68 +28,117 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 from provenance import source_version
 
 from shardwise import comm
 from shardwise.comm import emulate, schedules
+from shardwise.costmodel import ring_seconds
+from shardwise.costmodel.calibrate import fit_ring_step, fit_schedule_link
 from shardwise.testing import RankPool
 from shardwise.topology import discover
 
 ALGS = ["native", "ring", "halving_doubling", "tree", "hierarchical", "auto"]
 
 
-def _once(t: torch.Tensor, alg: str, links: schedules.GroupLinks) -> float:
-    """One all_reduce after a barrier; the slowest rank's seconds."""
+BLOCK = 4  # back-to-back calls per timing, as nccl-tests times a block of iterations
+
+
+def _once(t: torch.Tensor, alg: str, links: schedules.GroupLinks, group: Any = None) -> float:
+    """``BLOCK`` all_reduces back to back after a barrier; the slowest rank's seconds per
+    call (over the world)."""
     g = comm.world()
     comm.barrier(group=g)
     t0 = time.perf_counter()
-    comm.all_reduce(t, "sum", g, algorithm=alg, links=links)
-    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    for _ in range(BLOCK):
+        comm.all_reduce(t, "sum", group or g, algorithm=alg, links=links)
+    dt = torch.tensor([(time.perf_counter() - t0) / BLOCK], dtype=torch.float64)
     comm.all_reduce(dt, "max", g)
     return float(dt.item())
 
 
-def _task(nodes: str, link: str, sizes_mib: list[float], iters: int) -> list[dict]:
+def _tensor(mib: float) -> torch.Tensor:
+    return torch.ones(int(mib * (1 << 20)) // 4)
+
+
+INTRA = "ring inside the nodes"  # the calibration measurement, timed in turns with the others
+
+
+def _task(nodes: str, link: str, sizes_mib: list[float], iters: int) -> dict:
     os.environ[emulate.NODES_ENV] = nodes
     if link:
         os.environ[emulate.LINK_ENV] = link
     topo = discover(comm.world(), reps=10)
-    links = topo.links()
+    links = topo.links()  # what auto chooses with, as Config(allreduce_algorithm="auto") does
+    me = comm.world().rank
+    node_group = comm.split(links.nodes[me], me)
+    assert node_group is not None
+    members = tuple(r for r, n in enumerate(links.nodes) if n == links.nodes[me])
+    node_links = topo.links(members)
     rows = []
     for mib in sizes_mib:
-        t = torch.ones(int(mib * (1 << 20)) // 4)
-        times: dict[str, list[float]] = {alg: [] for alg in ALGS}
+        t = _tensor(mib)
+        times: dict[str, list[float]] = {alg: [] for alg in [*ALGS, INTRA]}
         for it in range(iters + 1):  # algorithms take turns: background load hits all alike
-            for alg in ALGS:
-                seconds = _once(t, alg, links)
+            for alg in times:
+                if alg == INTRA:
+                    seconds = _once(t, "ring", node_links, node_group)
+                else:
+                    seconds = _once(t, alg, links)
                 if it:
                     times[alg].append(seconds)
-        for alg in ALGS:
+        for alg, runs in times.items():
             chosen = schedules.choose(t.numel() * 4, 4, links) if alg == "auto" else alg
-            # native (gloo's own, not emulated) is priced as a ring; calibration sets its factor
-            model = "ring" if alg == "native" else chosen
-            pred = schedules.predict_seconds(model, t.numel() * 4, 4, links)
-            measured = statistics.median(times[alg])
-            rows.append({"mib": mib, "alg": alg, "chosen": chosen, "s": measured, "pred": pred})
-    rows.append({"min_r2": topo.min_r2(), "intra": links.intra, "inter": links.inter})
-    return rows
+            rows.append({"mib": mib, "bytes": t.numel() * 4, "alg": alg, "chosen": chosen,
+                         "s": statistics.median(runs)})  # fmt: skip
+    return {"rows": rows, "min_r2": topo.min_r2(), "links": links, "world": comm.world().size,
+            "node_size": len(members)}  # fmt: skip
 
 
-def _report(rows: list[dict], calibrate: float | None) -> None:
-    info, rows = rows[-1], rows[:-1]
-    print(f"links: intra {info['intra']}, inter {info['inter']}, min R² {info['min_r2']:.3f}")
-    factor = {}
-    if calibrate is not None:
-        factor = {r["alg"]: r["s"] / r["pred"] for r in rows if r["mib"] == calibrate}
+def _predict(out: dict, calib: list[float]) -> schedules.GroupLinks:
+    """Set every row's prediction; return the links they come from: inside a node the link
+    fitted to the ring inside the nodes at the calibration sizes (none: the discovered one)."""
+    links, rows = out["links"], out["rows"]
+    intra = [r for r in rows if r["alg"] == INTRA and r["mib"] in calib]
+    if len(intra) >= 2 and out["node_size"] > 1:
+        fitted = fit_schedule_link("ring", out["node_size"], [r["bytes"] for r in intra],
+                                   [r["s"] for r in intra], links.intra.duplex)  # fmt: skip
+        links = schedules.GroupLinks(links.nodes, fitted, links.inter)
+    native = [r for r in rows if r["alg"] == "native" and r["mib"] in calib]
+    step = links.intra
+    if len(native) >= 2:  # gloo's own all_reduce, priced as a ring of its fitted step
+        step = fit_ring_step("all_reduce", out["world"], [r["bytes"] for r in native],
+                             [r["s"] for r in native])  # fmt: skip
+    for r in rows:
+        if r["alg"] == "native":
+            r["pred"] = ring_seconds(step, r["bytes"], out["world"])
+        elif r["alg"] == INTRA:
+            node = schedules.GroupLinks((0,) * out["node_size"], links.intra, links.intra)
+            r["pred"] = schedules.predict_seconds("ring", r["bytes"], 4, node)
+        else:
+            r["pred"] = schedules.predict_seconds(r["chosen"], r["bytes"], 4, links)
+    return links
+
+
+def _report(out: dict, calib: list[float]) -> None:
+    rows = out["rows"]
+    found = out["links"]
+    links = _predict(out, calib)
+    print(f"discovered: intra {found.intra}, inter {found.inter}, min R² {out['min_r2']:.3f}")
+    print(f"model: intra {links.intra}, inter {links.inter}")
     print(f"{'MiB':>6} {'algorithm':<18} {'chosen':<18} {'measured ms':>12} {'predicted ms':>13} "
           f"{'error':>7}")  # fmt: skip
+    worst = 0.0
     for r in rows:
-        pred = r["pred"] * factor.get(r["alg"], 1.0)
-        err = r["s"] / pred - 1
+        err = r["s"] / r["pred"] - 1
+        cal = r["mib"] in calib
+        if not cal:
+            worst = max(worst, abs(err))
         print(f"{r['mib']:>6g} {r['alg']:<18} {r['chosen']:<18} {r['s'] * 1e3:>12.2f} "
-              f"{pred * 1e3:>13.2f} {err:>+7.0%}")  # fmt: skip
+              f"{r['pred'] * 1e3:>13.2f} {err:>+7.0%}{'  cal' if cal else ''}")  # fmt: skip
+    print(f"largest |error| outside the calibration sizes: {worst:.0%}")
     for mib in sorted({r["mib"] for r in rows}):
         by = {r["alg"]: r for r in rows if r["mib"] == mib}
         meas = by["ring"]["s"] / by["hierarchical"]["s"]
@@ -100,19 +154,20 @@ def main() -> int:
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--nodes", default="0,0,1,1", help="node of each rank (emulated)")
     p.add_argument("--link", default="inter=alpha:1ms,bw:0.1GB/s", help="'' for none")
-    p.add_argument("--sizes-mib", default="1,4,16")
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--calibrate-mib", type=float, default=None)
+    p.add_argument("--sizes-mib", default="1,2,4,8,16,32")
+    p.add_argument("--iters", type=int, default=7)
+    p.add_argument("--calibrate-mib", default="1,16", help="'' for the discovered link as is")
     args = p.parse_args()
-    sizes = [float(s) for s in args.sizes_mib.split(",")]
+    calib = [float(s) for s in args.calibrate_mib.split(",") if s]
+    sizes = sorted({float(s) for s in args.sizes_mib.split(",")} | set(calib))
     print(f"# allreduce_algorithms @ {source_version()}: world {args.world}, nodes {args.nodes}, "
           f"link {args.link or 'none'}, iters {args.iters}")  # fmt: skip
     pool = RankPool(args.world)
     try:
-        rows = pool.run(_task, args.nodes, args.link, sizes, args.iters, timeout_s=3600)[0]
+        out = pool.run(_task, args.nodes, args.link, sizes, args.iters, timeout_s=3600)[0]
     finally:
         pool.close()
-    _report(rows, args.calibrate_mib)
+    _report(out, calib)
     return 0
 
 

@@ -13,16 +13,21 @@ times tokens/s at one rank (the one-process step of the same per-rank batch).
 Per row: median step (the slowest rank's), tokens/s, efficiency, exposed communication as a share
 of the step (``exposed_comm_seconds``: time ranks were blocked on collectives or messages),
 bytes per step, and the cost model's step time and efficiency for the same plan. The cost model
-is calibrated once on this machine: compute FLOP/s from the one-rank step, the link from
-``topology.discover`` at two ranks, memory bandwidth from a copy. With more ranks than cores
-the ranks share the cores: the model's per-rank FLOP/s is scaled by cores / N there (stated in
-the output). An all-reduce bus bandwidth (nccl-tests' definition: 2(N-1)/N * bytes / time) of a
-gradient-sized buffer is measured at each N.
+is calibrated on this machine, never on the runs it predicts: compute FLOP/s from the one-rank
+step, memory bandwidth from a copy, and at each N the point-to-point link from
+``topology.discover`` and each collective's ring step from a timed sweep of 1-64 MiB
+(``costmodel.calibrate.fit_collectives``); communication does not overlap compute (gloo reduces
+on the cores the step computes on: ``Hardware.overlap=False``). The pipeline plan carries the
+partition's layers per stage. With more ranks than cores the ranks share the cores: the model's
+per-rank FLOP/s is scaled by cores / N there (stated in the output). An all-reduce bus
+bandwidth (nccl-tests' definition: 2(N-1)/N * bytes / time) of a gradient-sized buffer is
+measured at each N.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -125,16 +130,31 @@ def busbw_rank(numel: int, iters: int) -> float:
 
 
 def links_rank() -> tuple:
+    """(intra, inter, memory bandwidth, per-collective ring steps) measured over the world."""
     from shardwise import comm
+    from shardwise.costmodel.calibrate import fit_collectives
     from shardwise.costmodel.hardware import measure_memory_bandwidth
     from shardwise.topology import discover
 
     torch.set_num_threads(1)
     links = discover(comm.world(), reps=10).links()
-    return links.intra, links.inter, measure_memory_bandwidth()
+    collectives = fit_collectives(comm.world())
+    return links.intra, links.inter, measure_memory_bandwidth(), collectives
 
 
-def _plan(system: str, n: int, micro: int) -> Any:
+def _stage_layers(model_name: str, n: int) -> tuple[int, ...]:
+    """Transformer blocks per stage of the pipeline ``_build`` forms (its default partition)."""
+    from shardwise.models.gpt import GPT, GPTConfig
+    from shardwise.pipeline.partition import partition_layers
+    from shardwise.pipeline.stage import layer_parameter_counts
+
+    entries = GPT(GPTConfig.named(model_name)).pipeline_layers()
+    bounds = partition_layers(layer_parameter_counts(entries), n, "parameters")
+    blocks = [i for i, e in enumerate(entries) if type(e).__name__ == "Block"]
+    return tuple(sum(lo <= i < hi for i in blocks) for lo, hi in itertools.pairwise(bounds))
+
+
+def _plan(system: str, n: int, micro: int, model_name: str) -> Any:
     from shardwise.costmodel import Plan
 
     if system == "dp" or n == 1:
@@ -143,7 +163,8 @@ def _plan(system: str, n: int, micro: int) -> Any:
         return Plan(dp=n, micro_batch=micro, zero_stage=3, precision="fp32")
     if system == "tp":
         return Plan(tp=n, micro_batch=n * micro, precision="fp32")
-    return Plan(pp=n, micro_batch=1, micro_batches=n * micro, schedule="1f1b", precision="fp32")
+    return Plan(pp=n, micro_batch=1, micro_batches=n * micro, schedule="1f1b", precision="fp32",
+                stage_layers=_stage_layers(model_name, n))  # fmt: skip
 
 
 def _pool(n: int, fn: Any, *args: Any) -> list:
@@ -205,33 +226,43 @@ def main() -> int:
           f"{args.cores} cores, ranks {ranks}")  # fmt: skip
     one = _pool(1, run_rank, "dp", args.model, micro, args.steps, args.warmup)[0]
     t1 = statistics.median(one["times"])
-    intra, inter, membw = _pool(2, links_rank)[0]
-    base = predict(m, _plan("dp", 1, micro), shardwise.costmodel.measured(
+    calib = {n: _pool(n, links_rank)[0] for n in ranks if n > 1}
+    intra, inter, membw, _ = calib[min(calib)]
+    base = predict(m, _plan("dp", 1, micro, args.model), shardwise.costmodel.measured(
         (intra, inter), 64, 1.0, 1 << 40, membw))  # fmt: skip
     flops = base.breakdown["compute"] / (t1 - base.breakdown["optimizer"])
-    print(f"calibration: 1 rank {t1:.3f} s/step -> {flops / 1e9:.2f} GFLOP/s per rank; link "
-          f"alpha {intra.alpha_s * 1e6:.0f} us, {1 / intra.beta_s_per_byte / 1e9:.2f} GB/s; "
+    print(f"calibration: 1 rank {t1:.3f} s/step -> {flops / 1e9:.2f} GFLOP/s per rank; "
           f"memory {membw / 1e9:.1f} GB/s")  # fmt: skip
+    for n, (a, _, _, fits) in calib.items():
+        rings = ", ".join(f"{op} {c.alpha_s * 1e6:.0f} us + {1 / c.beta_s_per_byte / 1e9:.2f} GB/s"
+                          for op, c in fits.items())  # fmt: skip
+        print(f"  {n} ranks: p2p alpha {a.alpha_s * 1e6:.0f} us, "
+              f"{1 / a.beta_s_per_byte / 1e9:.2f} GB/s; ring steps: {rings}")  # fmt: skip
     tok1 = one["tokens"] / t1
 
-    def hw_at(share: float) -> Any:
-        return shardwise.costmodel.measured((intra, inter), 64, flops * share, 1 << 40, membw)
+    def hw_at(n: int, share: float) -> Any:
+        if n == 1:
+            return shardwise.costmodel.measured((intra, inter), 64, flops, 1 << 40, membw)
+        a, b, bw, fits = calib[n]
+        return shardwise.costmodel.measured(
+            (a, b), 64, flops * share, 1 << 40, bw, collectives=fits, overlap=False
+        )
 
     rows: list[dict] = []
     busbw: dict[int, float] = {}
     grad_numel = GPTConfig.named(args.model).param_count()
-    pred1 = predict(m, _plan("dp", 1, micro), hw_at(1.0)).step_s  # = t1 by the calibration
+    pred1 = predict(m, _plan("dp", 1, micro, args.model), hw_at(1, 1.0)).step_s  # = t1
     for n in ranks:
         if n > 1:
             busbw[n] = statistics.median(_pool(n, busbw_rank, grad_numel, 5))
         share = min(1.0, args.cores / n)  # ranks beyond the cores share them
-        hw = hw_at(share)
+        hw = hw_at(n, share)
         for system in systems:
             r = one if n == 1 else _pool(n, run_rank, system, args.model, micro, args.steps,
                                          args.warmup)[0]  # fmt: skip
             step = statistics.median(r["times"])
             tokens = r["tokens"] * (n if system in ("dp", "zero3") else 1)
-            pred = predict(m, _plan(system, n, micro), hw)
+            pred = predict(m, _plan(system, n, micro, args.model), hw)
             rows.append({
                 "system": system, "ranks": n, "step_s": step, "tokens_per_s": tokens / step,
                 "efficiency": tokens / step / (n * tok1),

@@ -47,6 +47,24 @@ def test_two_ranks_fit_well():
     assert topo.islands()["node"] == [(0, 1)]
     assert [r.local_rank for r in topo.ranks] == [0, 1]
     assert topo.min_r2() >= 0.95, topo.fits
+    # between CPU processes of one host the bytes go through their cores: half-duplex
+    assert topo.links().intra.duplex is False
+
+
+def _fit_collectives_task():
+    from shardwise.costmodel.calibrate import COLLECTIVES, fit_collectives
+
+    fits = fit_collectives(comm.world(), sizes=(256 << 10, 1 << 20, 4 << 20), iters=2)
+    assert set(fits) == set(COLLECTIVES)
+    return {op: (c.alpha_s, c.beta_s_per_byte) for op, c in fits.items()}
+
+
+def test_collectives_are_fitted_where_they_run():
+    # every rank times the same collectives and gets the same fit (the slowest rank's times)
+    results = run_on_ranks(2, _fit_collectives_task, timeout_s=600)
+    assert results[0] == results[1]
+    for alpha, beta in results[0].values():
+        assert alpha >= 0 and beta > 0
 
 
 def test_emulated_nodes_group_ranks_and_slow_the_inter_node_links():

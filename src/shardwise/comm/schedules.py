@@ -41,10 +41,17 @@ Round = tuple[Transfer, ...]
 
 @dataclass(frozen=True)
 class LinkCost:
-    """A link's alpha-beta model: a message of n bytes takes ``alpha_s + n * beta_s_per_byte``."""
+    """A link's alpha-beta model: a message of n bytes takes ``alpha_s + n * beta_s_per_byte``.
+
+    ``duplex``: a rank sends and receives at once at full rate (a NIC, NVLink). A half-duplex
+    link is one whose bytes go through the rank's own cores, as between CPU processes on one
+    host: what a rank sends and receives in one round add up (the one-way ping-pong that
+    measures beta moves each byte through one core on each side, the same as here).
+    """
 
     alpha_s: float
     beta_s_per_byte: float
+    duplex: bool = True
 
     def seconds(self, nbytes: int) -> float:
         return self.alpha_s + nbytes * self.beta_s_per_byte
@@ -207,16 +214,33 @@ def schedule(
     return tuple(r for r in kept if r)
 
 
+def _round_seconds(r: Round | list[Transfer], links: GroupLinks, itemsize: int) -> float:
+    """The slowest rank of a round: on duplex links its slowest message; on half-duplex ones
+    its sent and received bytes together."""
+    by_rank: dict[int, list[tuple[LinkCost, int]]] = {}
+    for t in r:
+        msg = (links.link(t.src, t.dst), (t.hi - t.lo) * itemsize)
+        by_rank.setdefault(t.src, []).append(msg)
+        by_rank.setdefault(t.dst, []).append(msg)
+    slowest = 0.0
+    for msgs in by_rank.values():
+        half = [(link, n) for link, n in msgs if not link.duplex]
+        took = max((link.seconds(n) for link, n in msgs if link.duplex), default=0.0)
+        if half:
+            alpha = max(link.alpha_s for link, _ in half)
+            took = max(took, alpha + sum(n * link.beta_s_per_byte for link, n in half))
+        slowest = max(slowest, took)
+    return slowest
+
+
 def predict_seconds(algorithm: str, nbytes: int, itemsize: int, links: GroupLinks) -> float:
     """Predicted time of one all_reduce of ``nbytes`` under ``links``: the sum over rounds of
-    the slowest message of the round."""
+    the round's slowest rank (``LinkCost.duplex`` says how a rank's messages of a round add)."""
     if nbytes % itemsize:
         raise ValueError(f"nbytes={nbytes} is not a multiple of itemsize={itemsize}")
     p = len(links.nodes)
     rounds = schedule(algorithm, nbytes // itemsize, p, links.nodes)
-    return sum(
-        max(links.link(t.src, t.dst).seconds((t.hi - t.lo) * itemsize) for t in r) for r in rounds
-    )
+    return sum(_round_seconds(r, links, itemsize) for r in rounds)
 
 
 def choose(nbytes: int, itemsize: int, links: GroupLinks) -> str:

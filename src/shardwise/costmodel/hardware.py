@@ -4,7 +4,8 @@ links inside a node and across nodes (named presets with their sources, or measu
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -18,6 +19,14 @@ class Hardware:
     ``matmul_efficiency`` is the share of ``peak_flops`` a training step's kernels reach on
     this hardware and software: a calibration, named in ``sources`` with the run it came from.
     Links are per device and direction; a collective's ring runs at the slowest link it uses.
+
+    ``collectives`` (measured hardware): per collective ("all_reduce", "all_gather",
+    "reduce_scatter"), the alpha-beta of one ring step inside a node fitted to timed collectives
+    (``costmodel.calibrate``), used instead of ``intra`` for them: a backend's collectives copy
+    and reduce, and reach less than a point-to-point message's bandwidth. ``overlap`` says
+    whether communication runs beside compute (GPUs: copy engines and NCCL's own SMs) or on the
+    cores the compute needs (a CPU backend: gloo reduces on them), in which case no
+    communication hides.
     """
 
     name: str
@@ -29,6 +38,8 @@ class Hardware:
     inter: LinkCost
     matmul_efficiency: float
     sources: str
+    collectives: Mapping[str, LinkCost] = field(default_factory=dict)
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.matmul_efficiency <= 1:
@@ -47,6 +58,14 @@ class Hardware:
         span = ranks_apart * (group_size - 1) + 1
         return self.intra if span <= self.devices_per_node else self.inter
 
+    def collective_link(self, op: str, ranks_apart: int, group_size: int) -> LinkCost:
+        """The per-ring-step link of collective ``op`` over such a group: the fitted one inside a
+        node when ``collectives`` has it, else ``link``."""
+        link = self.link(ranks_apart, group_size)
+        if link is self.intra and op in self.collectives:
+            return self.collectives[op]
+        return link
+
 
 def _bw(gbytes_per_s: float) -> float:
     return 1.0 / (gbytes_per_s * 1e9)
@@ -63,7 +82,7 @@ PRESETS: dict[str, Hardware] = {
         devices_per_node=8,
         intra=LinkCost(5e-6, _bw(300 * 0.8)),
         inter=LinkCost(10e-6, _bw(25 * 0.8)),
-        matmul_efficiency=0.62,
+        matmul_efficiency=0.66,
         sources=(
             "A100 SXM4 80GB datasheet: 312 TFLOP/s bf16 dense, 2.039 TB/s HBM2e, NVLink3 600 GB/s "
             "(300 GB/s per direction); DGX A100 (Selene): 8 HDR 200 Gb/s HCAs per node (25 GB/s "
@@ -150,10 +169,13 @@ def measured(
     flops: float,
     memory_bytes: int,
     memory_bw_bytes_per_s: float,
+    collectives: Mapping[str, LinkCost] | None = None,
+    overlap: bool = True,
 ) -> Hardware:
     """Hardware from what was measured here: ``links`` = (intra, inter) from
-    ``Topology.links()``, ``flops`` from ``measure_matmul_flops`` (taken as fully efficient),
-    ``memory_bw_bytes_per_s`` from ``measure_memory_bandwidth``."""
+    ``Topology.links()``, ``flops`` from ``measure_matmul_flops`` or a timed step (taken as fully
+    efficient), ``memory_bw_bytes_per_s`` from ``measure_memory_bandwidth``, ``collectives``
+    from ``calibrate.fit_collectives``; ``overlap=False`` on a CPU backend (see ``Hardware``)."""
     intra, inter = links
     return Hardware(
         "measured",
@@ -165,4 +187,6 @@ def measured(
         inter=inter,
         matmul_efficiency=1.0,
         sources="measured by shardwise.topology.discover and matmul/copy calibrations",
+        collectives=dict(collectives or {}),
+        overlap=overlap,
     )

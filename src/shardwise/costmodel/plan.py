@@ -17,6 +17,8 @@ class Plan:
     splits the activations outside the tensor-parallel regions over tp (Korthikanti et al.
     2022); ``zero_stage`` shards over dp (1: optimizer states, 2: + gradients, 3: + params);
     ``dp_overlap`` hides data-parallel communication behind the backward pass where it can.
+    ``stage_layers``: the transformer layers of each pipeline rank, first to last (``None``:
+    an even split); the first rank also holds the embedding, the last the output head.
     """
 
     dp: int = 1
@@ -31,6 +33,7 @@ class Plan:
     recompute: str = "none"
     precision: str = "bf16"
     dp_overlap: bool = True
+    stage_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for f in ("dp", "tp", "pp", "virtual_stages", "micro_batches", "micro_batch"):
@@ -48,6 +51,13 @@ class Plan:
             raise ValueError("virtual_stages > 1 needs schedule='interleaved'")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1")
+        if self.stage_layers is not None and (
+            len(self.stage_layers) != self.pp or min(self.stage_layers) < 0
+        ):
+            raise ValueError(
+                f"Plan.stage_layers needs one layer count >= 0 per pipeline rank ({self.pp}), "
+                f"got {self.stage_layers}"
+            )
 
     @property
     def devices(self) -> int:

@@ -2,20 +2,26 @@
 
 Per device and step (every term in seconds, ``Prediction.breakdown``):
 
-- compute: FLOPs of forward, backward and recomputation at ``Hardware.flops``;
+- compute: FLOPs of forward, backward and recomputation at ``Hardware.flops``, on the busiest
+  pipeline rank (the last holds the output head; ``Plan.stage_layers`` says how the layers are
+  split, else evenly);
 - tp: tensor-parallel collectives, not overlapped: 2 all-reduces (or all-gather + reduce-scatter
   with sequence parallelism, the same bytes) of b*s*h forward and 2 backward per layer and
   micro-batch, 2 more when full recomputation replays the forward (Narayanan et al. 2021 §3.2);
-- bubble: the schedule's idle share of a stage's compute + tp time (``Plan.bubble_fraction``);
+- bubble: the fill and drain of the schedule on the busiest rank: the other ranks' time per
+  micro-batch (compute + tp), over v when interleaved and over 3 for ZB-H1
+  (``Plan.bubble_fraction`` of the busy time when the stages are equal);
 - p2p: per micro-batch and virtual stage one activation forward and one gradient backward of
   b*s*h/t elements (Megatron's scatter/gather over tp), not overlapped;
 - dp: gradient reduction (all-reduce; reduce-scatter + all-gather from ZeRO-2; plus the ZeRO-3
   parameter all-gathers of every micro-batch's forward and backward), minus what hides behind
-  the backward of the last micro-batch (ZeRO-3: behind all compute) when ``dp_overlap``;
+  the backward of the last micro-batch (ZeRO-3: behind all compute) when ``dp_overlap`` and
+  the hardware overlaps communication with compute (``Hardware.overlap``);
 - optimizer: AdamW streaming its states through memory (36 bytes per local parameter).
 
 Collectives are rings over the slowest link of the group: 2(n-1)(alpha + S/n beta) for an
-all-reduce of S bytes, half that for reduce-scatter and all-gather.
+all-reduce of S bytes, half that for reduce-scatter and all-gather; inside a node a measured
+hardware's per-collective fit (``Hardware.collectives``) replaces the link.
 """
 
 from __future__ import annotations
@@ -86,25 +92,40 @@ def _stage_params(shape: ModelShape, plan: Plan) -> float:
     return (shape.layers / plan.pp * shape.layer_params() + emb) / plan.tp
 
 
-def _flops_per_micro_batch(shape: ModelShape, plan: Plan) -> tuple[float, float]:
-    """(model, hardware) FLOPs of one micro-batch on one device."""
+def _stage_layers(shape: ModelShape, plan: Plan) -> list[float]:
+    """Transformer layers of each pipeline rank (an even split unless the plan says)."""
+    if plan.stage_layers is None:
+        return [shape.layers / plan.pp] * plan.pp
+    if sum(plan.stage_layers) != shape.layers:
+        raise ValueError(
+            f"Plan.stage_layers {plan.stage_layers} sum to {sum(plan.stage_layers)}, but the "
+            f"model has {shape.layers} layers"
+        )
+    return [float(n) for n in plan.stage_layers]
+
+
+def _flops_per_micro_batch(
+    shape: ModelShape, plan: Plan, layers: float, head: bool
+) -> tuple[float, float]:
+    """(model, hardware) FLOPs of one micro-batch on a device of a stage with ``layers``
+    transformer layers, and the output head when ``head``."""
     tokens = plan.micro_batch * shape.seq_len
-    layers = shape.layers / plan.pp
     layer_fwd = tokens * layers * shape.layer_forward_flops_per_token()
-    logits_fwd = tokens * 2 * shape.hidden * shape.vocab / plan.pp
+    logits_fwd = tokens * 2 * shape.hidden * shape.vocab if head else 0.0
     model = 3 * (layer_fwd + logits_fwd) / plan.tp
     attention_scores = tokens * layers * 4 * shape.seq_len * shape.hidden  # QK^T and AV
     recomputed = {"none": 0.0, "full": layer_fwd, "selective": attention_scores}[plan.recompute]
     return model, model + recomputed / plan.tp
 
 
-def _tp_seconds(shape: ModelShape, plan: Plan, hw: Hardware) -> float:
+def _tp_seconds(shape: ModelShape, plan: Plan, hw: Hardware, layers: float) -> float:
+    """Tensor-parallel collectives of one micro-batch through ``layers`` layers."""
     if plan.tp == 1:
         return 0.0
     nbytes = plan.micro_batch * shape.seq_len * shape.hidden * PRECISIONS[plan.precision]
     per_layer = 4 + (2 if plan.recompute == "full" else 0)
-    ar = ring_seconds(hw.link(1, plan.tp), nbytes, plan.tp)
-    return plan.micro_batches * shape.layers / plan.pp * per_layer * ar
+    ar = ring_seconds(hw.collective_link("all_reduce", 1, plan.tp), nbytes, plan.tp)
+    return layers * per_layer * ar
 
 
 def _p2p_seconds(shape: ModelShape, plan: Plan, hw: Hardware) -> float:
@@ -120,19 +141,48 @@ def _dp_seconds(shape: ModelShape, plan: Plan, hw: Hardware, compute_s: float) -
     if plan.dp == 1:
         return 0.0
     params = _stage_params(shape, plan)
-    link = hw.link(plan.tp, plan.dp)
     grads = params * GRAD_BYTES
     weights = params * PRECISIONS[plan.precision]
+
+    def ring(op: str, nbytes: float) -> float:
+        return ring_seconds(hw.collective_link(op, plan.tp, plan.dp), nbytes, plan.dp, op)
+
     if plan.zero_stage <= 1:
-        comm = ring_seconds(link, grads, plan.dp)
+        comm = ring("all_reduce", grads)
     else:
-        comm = ring_seconds(link, grads, plan.dp, "reduce_scatter")
+        comm = ring("reduce_scatter", grads)
         gathers = 1 if plan.zero_stage == 2 else 2 * plan.micro_batches
-        comm += gathers * ring_seconds(link, weights, plan.dp, "all_gather")
-    if not plan.dp_overlap:
+        comm += gathers * ring("all_gather", weights)
+    if not (plan.dp_overlap and hw.overlap):
         return comm
     window = compute_s if plan.zero_stage == 3 else compute_s / plan.micro_batches * 2 / 3
     return max(0.0, comm - window)
+
+
+def _pipeline(
+    shape: ModelShape, plan: Plan, hw: Hardware
+) -> tuple[float, float, float, float, float]:
+    """(compute, tp, bubble, model FLOPs, hardware FLOPs) of one step on the busiest pipeline
+    rank; FLOPs per micro-batch summed over the ranks of one pipeline.
+
+    A micro-batch keeps rank i busy b_i (compute + tp); the step takes m * max(b) on the busiest
+    rank plus the others' share of the fill and drain, sum(b) - max(b), divided by v
+    (interleaved) or 3 (ZB-H1: the weight gradients fill the drain): with equal stages this is
+    ``Plan.bubble_fraction`` of the busy time.
+    """
+    m, layers = plan.micro_batches, _stage_layers(shape, plan)
+    busy, comp, tps = [], [], []
+    model_flops = hw_flops = 0.0
+    for rank, n in enumerate(layers):
+        model_mb, hw_mb = _flops_per_micro_batch(shape, plan, n, rank == plan.pp - 1)
+        model_flops, hw_flops = model_flops + model_mb, hw_flops + hw_mb
+        comp.append(hw_mb / hw.flops)
+        tps.append(_tp_seconds(shape, plan, hw, n))
+        busy.append(comp[-1] + tps[-1])
+    top = max(range(plan.pp), key=lambda i: busy[i])
+    spread = {"interleaved": plan.virtual_stages, "zb-h1": 3}.get(plan.schedule, 1)
+    bubble = (sum(busy) - busy[top]) / spread
+    return m * comp[top], m * tps[top], bubble, model_flops, hw_flops
 
 
 def _memory(shape: ModelShape, plan: Plan) -> dict[str, float]:
@@ -161,27 +211,25 @@ def _memory(shape: ModelShape, plan: Plan) -> dict[str, float]:
 
 def predict(shape: ModelShape, plan: Plan, hw: Hardware) -> Prediction:
     """The predicted step of ``plan`` for ``shape`` on ``hw`` (see the module docstring)."""
-    model_mb, hw_mb = _flops_per_micro_batch(shape, plan)
-    compute = plan.micro_batches * hw_mb / hw.flops
-    tp = _tp_seconds(shape, plan, hw)
+    compute, tp, bubble, model_mb, hw_mb = _pipeline(shape, plan, hw)
     p2p = _p2p_seconds(shape, plan, hw)
     opt_params = _stage_params(shape, plan) / (plan.dp if plan.zero_stage >= 1 else 1)
     breakdown = {
         "compute": compute,
         "tp": tp,
-        "bubble": plan.bubble_fraction() * (compute + tp),
+        "bubble": bubble,
         "p2p": p2p,
         "dp": _dp_seconds(shape, plan, hw, compute),
         "optimizer": opt_params * OPTIMIZER_BYTES_TOUCHED / hw.memory_bw_bytes_per_s,
     }
-    devices = plan.devices
+    replicas = plan.dp * plan.tp  # model_mb, hw_mb: one micro-batch through one pipeline
     return Prediction(
         plan=plan,
         breakdown=breakdown,
         memory=_memory(shape, plan),
         tokens_per_step=plan.global_batch * shape.seq_len,
-        model_flops_per_step=plan.micro_batches * model_mb * devices,
-        hardware_flops_per_step=plan.micro_batches * hw_mb * devices,
+        model_flops_per_step=plan.micro_batches * model_mb * replicas,
+        hardware_flops_per_step=plan.micro_batches * hw_mb * replicas,
         peak_flops=hw.peak_flops,
         memory_capacity=hw.memory_bytes,
     )

@@ -102,6 +102,12 @@ def _param_count(entry: Entry) -> int:
     return sum(p.numel() for p in source.parameters())
 
 
+def layer_parameter_counts(layers: Sequence[Entry]) -> list[int]:
+    """The parameter count of every pipeline layer, as ``partition="parameters"`` weighs them
+    (a ``Tied`` entry counts its source's parameters wherever it appears)."""
+    return [_param_count(e) for e in check_entries(layers)]
+
+
 def _build(source: nn.Module | LayerSpec, seed: int | None) -> nn.Module:
     return source.build(seed) if isinstance(source, LayerSpec) else source
 
@@ -200,9 +206,7 @@ class PipelineModule(nn.Module):
         self.pp_size, self.pp_rank = mesh.pp_size, mesh.rank("pp")
         self.pp_group = mesh.group("pp")
         self.num_stages = self.pp_size * virtual_stages
-        self.bounds = partition_layers(
-            [_param_count(e) for e in entries], self.num_stages, partition
-        )
+        self.bounds = partition_layers(layer_parameter_counts(entries), self.num_stages, partition)
         self.stage_ids = list(range(self.pp_rank, self.num_stages, self.pp_size))
         self._entries = entries
         self.layers = nn.ModuleDict()

@@ -96,7 +96,9 @@ class Topology:
     def links(self, ranks: tuple[int, ...] | None = None) -> GroupLinks:
         """The alpha-beta model of a group (global ``ranks`` in group order; default all) for
         the all_reduce cost prediction: the median fit of same-node pairs and of cross-node
-        pairs (one stands in for the other when a kind is absent)."""
+        pairs (one stands in for the other when a kind is absent). Between CPU processes of one
+        node the link is half-duplex (``LinkCost.duplex``: the bytes go through their cores);
+        links across nodes are network links, duplex."""
         ranks = tuple(range(self.world_size)) if ranks is None else tuple(ranks)
         ids = self.node_ids()
         intra: list[LinkFit] = []
@@ -109,7 +111,8 @@ class Topology:
         if not intra and not inter:
             same = LinkCost(0.0, 0.0)
             return GroupLinks(tuple(ids[r] for r in ranks), same, same)
-        intra_c = _median(intra or inter)
+        on_cpu = all(self.ranks[r].device == "cpu" for r in ranks)
+        intra_c = _median(intra or inter, duplex=not (on_cpu and intra))
         return GroupLinks(tuple(ids[r] for r in ranks), intra_c, _median(inter or intra))
 
     def min_r2(self) -> float:
@@ -137,8 +140,9 @@ class Topology:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-def _median(fits: list[LinkFit]) -> LinkCost:
+def _median(fits: list[LinkFit], duplex: bool = True) -> LinkCost:
     return LinkCost(
         statistics.median(f.alpha_s for f in fits),
         statistics.median(f.beta_s_per_byte for f in fits),
+        duplex,
     )

@@ -1,0 +1,138 @@
+"""Calibrating the cost model's collectives where they run: time each collective over a sweep of
+sizes (as nccl-tests does) and fit the alpha-beta of one ring step to the times.
+
+A ring collective of S bytes over n ranks takes ``steps * (alpha + S/n * beta)``: 2(n-1) steps
+for all_reduce, n-1 for all_gather (S: the gathered output) and reduce_scatter (S: the input).
+The fit minimizes the relative error over the sweep, so small and large messages weigh alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from shardwise.comm import Group, all_gather, all_reduce, barrier, reduce_scatter
+from shardwise.comm.schedules import GroupLinks, LinkCost, predict_seconds
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+DEFAULT_SIZES = (1 << 20, 4 << 20, 16 << 20, 64 << 20)
+
+
+def ring_steps(op: str, n: int) -> int:
+    """Ring steps of collective ``op`` over ``n`` ranks (each moves S/n bytes)."""
+    if op not in COLLECTIVES:
+        raise ValueError(f"unknown collective {op!r}; allowed: {', '.join(COLLECTIVES)}")
+    return 2 * (n - 1) if op == "all_reduce" else n - 1
+
+
+def fit_ring_step(op: str, n: int, sizes: Sequence[int], seconds: Sequence[float]) -> LinkCost:
+    """The (alpha, beta) >= 0 of one ring step that best explain ``seconds`` of ``op`` at
+    ``sizes`` bytes over ``n`` ranks, by least relative squares."""
+    if n < 2:
+        raise ValueError(f"a ring step needs n >= 2 ranks, got {n}")
+    if len(sizes) != len(seconds) or len(sizes) < 2 or len(set(sizes)) < 2:
+        raise ValueError("fit_ring_step needs times at two or more different sizes")
+    if min(seconds) <= 0 or min(sizes) <= 0:
+        raise ValueError("sizes and seconds must be > 0")
+    steps = ring_steps(op, n)
+    alpha, beta = _weighted_line([s / n for s in sizes], [t / steps for t in seconds])
+    return LinkCost(alpha, beta)
+
+
+def _weighted_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """(a, b) >= 0 of y = a + b x by least squares of the relative error (weights 1/y^2); a
+    negative coefficient is dropped and the other refitted alone."""
+    ws = [1.0 / y**2 for y in ys]
+    sw = sum(ws)
+    sx = sum(w * x for w, x in zip(ws, xs, strict=True))
+    sy = sum(w * y for w, y in zip(ws, ys, strict=True))
+    sxx = sum(w * x * x for w, x in zip(ws, xs, strict=True))
+    sxy = sum(w * x * y for w, x, y in zip(ws, xs, ys, strict=True))
+    det = sw * sxx - sx * sx
+    alpha = (sxx * sy - sx * sxy) / det
+    beta = (sw * sxy - sx * sy) / det
+    if alpha < 0:  # through the origin: bandwidth only
+        alpha, beta = 0.0, sxy / sxx
+    elif beta < 0:  # latency only
+        alpha, beta = sy / sw, 0.0
+    return alpha, beta
+
+
+def _once(op: str, group: Group, full: torch.Tensor, shard: torch.Tensor) -> float:
+    """One collective after a barrier; the slowest rank's seconds."""
+    barrier(group=group)
+    t0 = time.perf_counter()
+    if op == "all_reduce":
+        all_reduce(full, "sum", group)
+    elif op == "all_gather":
+        all_gather(shard, group)
+    else:
+        reduce_scatter(full, "sum", group)
+    took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    all_reduce(took, "max", group)
+    return float(took.item())
+
+
+def time_collectives(
+    group: Group,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    iters: int = 5,
+    ops: Sequence[str] = COLLECTIVES,
+) -> dict[str, list[float]]:
+    """Median seconds (the slowest rank's) of each fp32 collective at each size in bytes,
+    after one untimed round; the collectives take turns so background load hits all alike.
+    Collective: every rank of ``group`` calls it."""
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    n = group.size
+    times: dict[str, list[float]] = {op: [] for op in ops}
+    for nbytes in sizes:
+        numel = max(n, nbytes // 4 // n * n)
+        full, shard = torch.ones(numel), torch.ones(numel // n)
+        runs: dict[str, list[float]] = {op: [] for op in ops}
+        for it in range(iters + 1):
+            for op in ops:
+                seconds = _once(op, group, full, shard)
+                if it:
+                    runs[op].append(seconds)
+        for op in ops:
+            times[op].append(statistics.median(runs[op]))
+    return times
+
+
+def fit_collectives(
+    group: Group, sizes: Sequence[int] = DEFAULT_SIZES, iters: int = 5
+) -> dict[str, LinkCost]:
+    """Per collective, the ring step fitted to its timed sweep over ``group`` (collective):
+    ``Hardware.collectives`` for ``costmodel.measured``."""
+    if group.size < 2:
+        raise ValueError("fit_collectives needs a group of two or more ranks")
+    times = time_collectives(group, sizes, iters)
+    sized = [max(group.size, s // 4 // group.size * group.size) * 4 for s in sizes]
+    return {op: fit_ring_step(op, group.size, sized, t) for op, t in times.items()}
+
+
+def fit_schedule_link(
+    algorithm: str, p: int, sizes: Sequence[int], seconds: Sequence[float], duplex: bool = True
+) -> LinkCost:
+    """The (alpha, beta) >= 0 of the link inside one node that best explain ``seconds`` of the
+    comm layer's all_reduce ``algorithm`` (``comm.schedules``) of fp32 ``sizes`` bytes over
+    ``p`` ranks of that node, by least relative squares. ``duplex`` as ``LinkCost.duplex``."""
+    if len(sizes) != len(seconds) or len(set(sizes)) < 2:
+        raise ValueError("fit_schedule_link needs times at two or more different sizes")
+    nodes = (0,) * p
+
+    def unit(alpha: float, beta: float, nbytes: int) -> float:
+        link = LinkCost(alpha, beta, duplex)
+        return predict_seconds(algorithm, nbytes, 4, GroupLinks(nodes, link, link))
+
+    # seconds = rounds * alpha + bytes * beta: the same weighted fit as one ring step's
+    rounds = [unit(1.0, 0.0, s) for s in sizes]
+    volume = [unit(0.0, 1.0, s) for s in sizes]
+    per_round = [t / r for t, r in zip(seconds, rounds, strict=True)]
+    x = [v / r for v, r in zip(volume, rounds, strict=True)]
+    alpha, beta = _weighted_line(x, per_round)
+    return LinkCost(alpha, beta, duplex)
