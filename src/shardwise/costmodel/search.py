@@ -10,7 +10,7 @@ from shardwise.costmodel.plan import Plan
 from shardwise.costmodel.predict import Prediction, predict, ring_seconds
 from shardwise.costmodel.shapes import ModelShape
 
-MICRO_BATCHES = (1, 2, 4, 8)
+MICRO_BATCHES = tuple(2**k for k in range(9))  # 1 .. 256 sequences; memory rules out the rest
 
 
 def _divisors(n: int) -> list[int]:
