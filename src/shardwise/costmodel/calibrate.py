@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from shardwise.comm import Group, all_gather, all_reduce, barrier, reduce_scatter
+from shardwise.comm import Group, ops
 from shardwise.comm.schedules import GroupLinks, LinkCost, predict_seconds
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
@@ -63,16 +63,16 @@ def _weighted_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, flo
 
 def _once(op: str, group: Group, full: torch.Tensor, shard: torch.Tensor) -> float:
     """One collective after a barrier; the slowest rank's seconds."""
-    barrier(group=group)
+    ops.barrier(group=group)
     t0 = time.perf_counter()
     if op == "all_reduce":
-        all_reduce(full, "sum", group)
-    elif op == "all_gather":
-        all_gather(shard, group)
+        ops.all_reduce(full, "sum", group=group)
+    elif op == "all_gather":  # into a buffer, as ZeRO gathers into its flat parameters
+        ops.all_gather(shard, group=group, out=full)
     else:
-        reduce_scatter(full, "sum", group)
+        ops.reduce_scatter(full, "sum", group=group)
     took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    all_reduce(took, "max", group)
+    ops.all_reduce(took, "max", group=group)
     return float(took.item())
 
 
