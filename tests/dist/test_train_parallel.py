@@ -129,6 +129,31 @@ def test_dp2_tp2_sequence_parallel_matches_one_process(one_process, tmp_path):
     torch.testing.assert_close(torch.tensor(got_val), torch.tensor(want_val[:1]), rtol=0, atol=1e-5)
 
 
+def test_dp4_hierarchical_sharding_matches_one_process(one_process, tmp_path):
+    # 4 ranks: 2 replicas x ZeRO-3 over 2 ranks, each rank reading 2 of the 8 sequences
+    run_dir = RunDir(tmp_path / "run")
+    out = train(
+        "--nproc-per-node",
+        "4",
+        "--dp-replicate",
+        "2",
+        "--zero",
+        "3",
+        "--micro-batch",
+        "2",
+        "--steps",
+        "2",
+        "--checkpoint-every",
+        "0",
+        "--run-dir",
+        str(run_dir.root),
+    )
+    assert "4 ranks (dp4 (2 replicas of 2))" in out.stdout
+    (want, want_val), (got, got_val) = losses(one_process), losses(run_dir)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want[:2]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(got_val), torch.tensor(want_val[:1]), rtol=0, atol=1e-5)
+
+
 def check_final_model(run_dir: RunDir, reference: RunDir) -> None:
     """The run's final_model.safetensors loads into the plain GPT and is the one-process run's."""
     state = load_file(str(run_dir.final_model))

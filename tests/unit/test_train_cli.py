@@ -69,6 +69,12 @@ def test_bad_train_options_are_one_line(capsys, tmp_path, argv, expected):
             ["--tp", "2", "--sequence-parallel", "--seq-len", "33"],
             "sequence length 33 divisible by --tp 2",
         ),
+        (["--nproc-per-node", "3", "--dp-replicate", "2"], "--dp-replicate 2 does not divide"),
+        (["--dp-replicate", "0"], "--dp-replicate must be an int >= 1, got 0"),
+        (
+            ["--nproc-per-node", "4", "--dp-replicate", "2", "--pp", "2"],
+            "hierarchical sharding under a pipeline is not supported",
+        ),
     ],
 )
 def test_bad_tensor_parallel_layouts_are_one_line(capsys, tmp_path, argv, expected):
@@ -116,6 +122,19 @@ def test_tensor_parallel_run_config_counts_dp_replicas(tmp_path):
     assert back.dp_size == 2 and back.layout() == "dp2 x tp2"
     assert back.global_batch_size == 4 * 3 * 2  # tp peers read the same sequences
     assert back.params_per_rank() < back.model.param_count()
+
+
+def test_hierarchical_sharding_run_config_names_its_replicas(tmp_path):
+    run = RunConfig(
+        train=TrainOptions(model="tiny", dp_replicate=2),
+        engine=Config(micro_batch_size=2, zero_stage=3),
+        world_size=4,
+    )
+    run.write(tmp_path / "config.json")
+    back = RunConfig.read(tmp_path / "config.json")
+    assert back.train.dp_replicate == 2 and back.dp_size == 4
+    assert back.layout() == "dp4 (2 replicas of 2)"
+    assert back.global_batch_size == 2 * 4  # every dp rank reads its own sequences
 
 
 def test_resume_and_reuse_errors(capsys, tmp_path):

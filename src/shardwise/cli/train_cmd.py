@@ -51,6 +51,7 @@ TRAIN_FLAGS = (
     "tp",
     "sequence_parallel",
     "pp",
+    "dp_replicate",
 )
 ENGINE_FLAGS = {
     "zero": "zero_stage",
@@ -128,6 +129,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--pp",
         type=int,
         help="pipeline-parallel degree: stages the layers are split into (default 1)",
+    )
+    par.add_argument(
+        "--dp-replicate",
+        type=int,
+        help="hierarchical sharding (HSDP): ZeRO shards inside each of this many replicas of "
+        "the dp ranks (e.g. one per node) and the replicas all-reduce; default 1 (flat)",
     )
     par.add_argument(
         "--schedule",

@@ -56,6 +56,10 @@ class TrainOptions:
     """Under tensor parallelism, run norms and dropout on 1/tp of the sequence."""
     pp: int = 1
     """Pipeline-parallel degree: stages the model's layers are split into (the mesh's pp axis)."""
+    dp_replicate: int = 1
+    """Hierarchical sharding (HSDP): the dp ranks form this many replicas, each sharding the
+    model states over its own dp / dp_replicate consecutive ranks (one node, launched so); 1:
+    ZeRO shards over all dp ranks."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -66,7 +70,7 @@ class TrainOptions:
             raise ValueError(
                 f"--model {self.model!r} is unknown: choose one of {', '.join(MODEL_SIZES)}"
             )
-        for name in ("steps", "eval_batches", "log_every", "tp", "pp"):
+        for name in ("steps", "eval_batches", "log_every", "tp", "pp", "dp_replicate"):
             _at_least(name, getattr(self, name), 1)
         _at_least("eval_every", self.eval_every, 0)
         if self.seq_len is not None:
@@ -151,8 +155,10 @@ class RunConfig:
 
     def layout(self) -> str:
         """The mesh in words, e.g. ``dp2 x tp2`` (axes of size 1 left out unless all are)."""
+        r = self.train.dp_replicate
+        dp = f"dp{self.dp_size}" + (f" ({r} replicas of {self.dp_size // r})" if r > 1 else "")
         sizes = (("pp", self.train.pp), ("dp", self.dp_size), ("tp", self.train.tp))
-        named = [f"{axis}{size}" for axis, size in sizes if size > 1]
+        named = [dp if axis == "dp" else f"{axis}{size}" for axis, size in sizes if size > 1]
         return " x ".join(named) if named else "dp1"
 
     def params_per_rank(self) -> int:

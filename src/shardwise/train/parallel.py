@@ -58,9 +58,11 @@ class BuiltModel:
 
 
 def build_mesh(run: RunConfig, world: World) -> Mesh:
-    """The run's mesh: ``--tp`` and ``--pp`` as given, dp filling the rest of the world.
-    Every rank calls it (groups form collectively)."""
-    return Mesh(dp=-1, tp=run.train.tp, pp=run.train.pp, world=world)
+    """The run's mesh: ``--tp`` and ``--pp`` as given, dp filling the rest of the world (split
+    into ``--dp-replicate`` replicas). Every rank calls it (groups form collectively)."""
+    r = run.train.dp_replicate
+    replicate = r if r > 1 else None
+    return Mesh(dp=-1, tp=run.train.tp, pp=run.train.pp, dp_replicate=replicate, world=world)
 
 
 def build_model(run: RunConfig, mesh: Mesh) -> BuiltModel:
