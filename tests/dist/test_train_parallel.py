@@ -152,6 +152,11 @@ def test_dp4_hierarchical_sharding_matches_one_process(one_process, tmp_path):
     (want, want_val), (got, got_val) = losses(one_process), losses(run_dir)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want[:2]), rtol=0, atol=1e-5)
     torch.testing.assert_close(torch.tensor(got_val), torch.tensor(want_val[:1]), rtol=0, atol=1e-5)
+    # sharded over 2 ranks, not 4; the replicas all-reduce this rank's gradient shard
+    full = read_metrics(one_process.metrics)[0]["memory"][0]["params"]
+    for record in read_metrics(run_dir.metrics):
+        assert [m["params"] for m in record["memory"]] == [full // 2] * 4
+        assert record["comm"]["all_reduce"]["bytes"] >= full // 2
 
 
 def check_final_model(run_dir: RunDir, reference: RunDir) -> None:
