@@ -285,3 +285,38 @@ def test_hsdp_refuses_modifier_rank():
     sums = run_on_ranks(4, _modifier_task)
     assert len(set(sums)) == 1
     assert sums[0] == pytest.approx(float(_model().fc1.weight.detach().sum()), rel=1e-6)
+
+
+# ---- the replica reduction overlaps the rest of backward ----
+
+
+def _overlap_task(stage: int):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])  # 272 parameters each
+    mesh = _mesh(True)
+    cfg = shardwise.Config(zero_stage=stage, reduce_bucket_bytes=272 * 4)  # a bucket per layer
+    engine = shardwise.initialize(model, _opt(model), cfg, group=mesh)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(mesh.rank("dp")))
+    loss = engine(x).pow(2).mean()
+    tracer = mesh.group("dp_replicate").tracer
+    tracer.reset()
+    engine.backward(loss)
+    names = {mesh.group(axis).name: axis for axis in ("dp_shard", "dp_replicate")}
+    order = [(e.op, names.get(e.group, e.group), e.start, e.end) for e in tracer.entries()]
+    engine.step()
+    return order
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hsdp_replica_reduction_runs_while_backward_goes_on(stage):
+    # six buckets: while the replicas' all_reduce of the first bucket is in flight (from its
+    # start to the wait that ends it) backward goes on and starts the shard group's
+    # reduce_scatter of later buckets; a blocking all_reduce would leave no room for that
+    for order in run_on_ranks(4, _overlap_task, stage):
+        scatters = [e for e in order if e[:2] == ("reduce_scatter", "dp_shard")]
+        crossings = [e for e in order if e[:2] == ("all_reduce", "dp_replicate")]
+        assert len(scatters) == len(crossings) == 6, order
+        first = crossings[0]
+        assert first[3] is not None
+        assert any(first[2] < s[2] < first[3] for s in scatters), order

@@ -11,7 +11,8 @@ buffer has its gradient for this backward, the buffer's reduction starts asynchr
 With hierarchical sharding (a flat buffer with a ``replicate`` group) the reduction above runs
 within the shard group, then the reduced part (the shard at stages 1-3: 1/dp_shard of the
 buffer) is all-reduced (average) across the replicate group, so gradients cross shard groups
-(nodes) once, over 1/dp_shard of the bytes (PyTorch HSDP; ZeRO++ section 3.3).
+(nodes) once, over 1/dp_shard of the bytes (PyTorch HSDP; ZeRO++ section 3.3). That second
+reduction also runs asynchronously, as soon as the first one is done, while backward goes on.
 
 Reductions start strictly in buffer order, identical on every rank, so collectives match even if
 hooks fire in a different order somewhere. Stages 0-1 only reduce on the last micro-step of an
@@ -41,6 +42,7 @@ class _Pending:
     handle: ops.Handle
     scratch: torch.Tensor | None  # reduced slice to add into grad_shard
     buf: torch.Tensor  # what was reduced: grad_full, or its copy at the reduce dtype
+    crossing: ops.Handle | None = None  # hierarchical sharding: the all_reduce over replicas
 
 
 class GradReducer:
@@ -64,6 +66,7 @@ class GradReducer:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self._reset_pass()
         self._pending: list[_Pending] = []
+        self._crossing: list[_Pending] = []  # reduced in the shard group, now across replicas
         self.reduce_now = False
         self.reduce_last = True
 
@@ -161,14 +164,28 @@ class GradReducer:
         self._pending.append(_Pending(f, handle, scratch, buf))
         while f.stage.shard_grads and len(self._pending) > MAX_IN_FLIGHT:
             self._complete(self._pending.pop(0))
+        while len(self._crossing) > MAX_IN_FLIGHT:
+            self._store(self._crossing.pop(0))
 
     def _complete(self, item: _Pending) -> None:
+        """The shard group's reduction is done: with replicas, start theirs (it runs while
+        backward goes on; started in launch order, the same on every rank), else store."""
         item.handle.wait()
         f = item.flat
+        if f.replicate is None:
+            self._store(item)
+            return
         lo, hi = (f.shard_start, f.shard_stop) if f.stage.shard_optimizer else (0, f.padded)
-        if f.replicate is not None:  # averaged within the shard group; now across replicas
-            reduced = item.scratch if item.scratch is not None else item.buf[lo:hi]
-            ops.all_reduce(reduced, op="avg", group=f.replicate)
+        reduced = item.scratch if item.scratch is not None else item.buf[lo:hi]
+        item.crossing = ops.all_reduce(reduced, op="avg", group=f.replicate, async_op=True)
+        self._crossing.append(item)
+
+    def _store(self, item: _Pending) -> None:
+        """Put a finished reduction where the step reads it."""
+        if item.crossing is not None:
+            item.crossing.wait()
+        f = item.flat
+        lo, hi = (f.shard_start, f.shard_stop) if f.stage.shard_optimizer else (0, f.padded)
         if item.scratch is not None:
             if f.grad_shard is None:
                 f.grad_shard = item.scratch
@@ -193,6 +210,8 @@ class GradReducer:
                 self._next += 1
         while self._pending:
             self._complete(self._pending.pop(0))
+        while self._crossing:
+            self._store(self._crossing.pop(0))
 
     def reduce_all(self) -> None:
         """Reduce every buffer now (for gradients accumulated outside an engine backward)."""
@@ -205,7 +224,7 @@ class GradReducer:
     def comm_bytes(self) -> int:
         """Bytes of scratch buffers held by reductions in flight."""
         total = 0
-        for p in self._pending:
+        for p in self._pending + self._crossing:
             if p.scratch is not None:
                 total += p.scratch.untyped_storage().nbytes()
             if p.buf is not p.flat.grad_full:
