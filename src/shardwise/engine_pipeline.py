@@ -36,11 +36,6 @@ def check_pipeline_config(pipe: PipelineModule, config: Config, group: Any) -> N
             "a PipelineModule trains over its own mesh: pass group=mesh, the Mesh the "
             "PipelineModule was built on"
         )
-    if group.dp_replicate_size > 1:
-        raise ValueError(
-            f"hierarchical sharding (dp_replicate={group.dp_replicate_size}) is not supported "
-            "with a PipelineModule; build its Mesh with dp= alone"
-        )
     if config.zero_stage not in SUPPORTED_STAGES:
         raise ValueError(
             f"zero_stage={config.zero_stage} is not supported with a PipelineModule; supported: "
@@ -133,8 +128,8 @@ class PipelineEngine(Engine):
         return list(t.chunk(accum))
 
     def _mean_over_dp(self, loss: torch.Tensor) -> torch.Tensor:
-        if self.group.size > 1:
-            ops.all_reduce(loss, op="avg", group=self.group)
+        if self.dp_group.size > 1:  # every dp rank: shard groups and their replicas
+            ops.all_reduce(loss, op="avg", group=self.dp_group)
         return loss
 
     def train_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -166,6 +166,65 @@ def test_dp2_pp2_zero3_engine_matches_one_process() -> None:
                 assert out["gathered_bytes"] == out["flat_bytes"], (config, r)
 
 
+HSDP_PP2 = [
+    (2, "1f1b", 2, 1, 1),
+    (3, "1f1b", 2, 1, 1, False),  # parameters kept for the step
+    (3, "gpipe", 2, 1, 1, True),  # and gathered per micro-batch
+    (1, "interleaved_1f1b", 2, 2, 1),
+]
+
+
+def _hsdp_task(configs: list[tuple]) -> list[dict]:
+    torch.set_num_threads(1)
+    mesh = shardwise.Mesh(pp=2, dp_replicate=2, dp_shard=2)
+    assert mesh.dp_size == 4
+    return [_train(mesh, *c) for c in configs]
+
+
+def _hsdp_checkpoint_task(root: str) -> tuple[dict, dict]:
+    """ZeRO-3 under pp2 x (2 x 2): save after 2 steps and train a third; a pp2 x dp4 engine
+    (flat ZeRO-2) loads the save and trains the same third step."""
+    torch.set_num_threads(1)
+
+    def engine_of(mesh: shardwise.Mesh, stage: int):
+        pipe = PipelineModule(pc.layers(N_BLOCKS), pc.lm_loss, mesh, seed=pc.SEED)
+        cfg = shardwise.Config(
+            zero_stage=stage, gradient_clipping=CLIP, pipeline_schedule="1f1b",
+            pipeline_microbatches=2,
+        )  # fmt: skip
+        opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+        return shardwise.initialize(pipe, opt, cfg, group=mesh)
+
+    def step(engine, mesh: shardwise.Mesh, seed: int) -> None:
+        x, y = pc.batch(BATCH, seed=seed)
+        dp, n = mesh.rank("dp"), mesh.dp_size
+        engine.train_batch(x.chunk(n)[dp], y.chunk(n)[dp])
+
+    hsdp = shardwise.Mesh(pp=2, dp_replicate=2, dp_shard=2)
+    engine = engine_of(hsdp, 3)
+    for seed in range(2):
+        step(engine, hsdp, seed)
+    engine.save(root)
+    step(engine, hsdp, 2)
+    flat = shardwise.Mesh(pp=2, dp=4)
+    other = engine_of(flat, 2)
+    other.load(root)
+    step(other, flat, 2)
+    return engine.state_dict(), other.state_dict()
+
+
+def test_hsdp_under_a_pipeline_matches_one_process(tmp_path) -> None:
+    """8 ranks: pp2 x (2 replicas x ZeRO over 2): the single-process losses, norms, weights;
+    its checkpoint continues on pp2 x flat dp4."""
+    results = run_on_ranks(8, _hsdp_task, HSDP_PP2, timeout_s=900)
+    _check(results, HSDP_PP2, 8)
+    root = str(tmp_path / "ckpt")
+    for continued, loaded in run_on_ranks(8, _hsdp_checkpoint_task, root, timeout_s=900):
+        assert set(loaded) == set(continued)
+        for k in continued:
+            torch.testing.assert_close(loaded[k], continued[k], rtol=1e-5, atol=1e-6)
+
+
 def _refused_task(kwargs: dict, group_is_mesh: bool) -> str:
     mesh = shardwise.Mesh(pp=2, dp=1)
     pipe = PipelineModule(pc.layers(N_BLOCKS), pc.lm_loss, mesh, seed=pc.SEED)

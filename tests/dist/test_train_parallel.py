@@ -205,8 +205,9 @@ def test_pp2_1f1b_resumed_matches_one_process_with_stage_times(one_process, tmp_
     [
         ["--schedule", "zb_h1", "--micro-batch", "4", "--zero", "3"],  # pp2 x dp2
         ["--tp", "2", "--sequence-parallel", "--schedule", "interleaved_1f1b"],  # pp2 x tp2
+        ["--micro-batch", "4", "--zero", "1", "--dp-replicate", "2"],  # pp2 x (2 replicas of 1)
     ],
-    ids=["pp2_dp2_zero3_zb_h1", "pp2_tp2_sp_interleaved"],
+    ids=["pp2_dp2_zero3_zb_h1", "pp2_tp2_sp_interleaved", "pp2_hsdp_zero1"],
 )
 def test_pp2_on_four_ranks_matches_one_process(one_process, tmp_path, layout):
     run_dir = RunDir(tmp_path / "run")

@@ -72,8 +72,8 @@ def test_bad_train_options_are_one_line(capsys, tmp_path, argv, expected):
         (["--nproc-per-node", "3", "--dp-replicate", "2"], "--dp-replicate 2 does not divide"),
         (["--dp-replicate", "0"], "--dp-replicate must be an int >= 1, got 0"),
         (
-            ["--nproc-per-node", "4", "--dp-replicate", "2", "--pp", "2"],
-            "hierarchical sharding under a pipeline is not supported",
+            ["--nproc-per-node", "4", "--dp-replicate", "3", "--pp", "2"],
+            "--dp-replicate 3 does not divide the 2 data-parallel ranks",
         ),
     ],
 )

@@ -22,7 +22,7 @@ def check_layout(run: RunConfig) -> None:
     """Refuse a tensor-parallel layout the ranks or the GPT cannot split evenly: ``--tp`` must
     divide the ranks, the attention heads and the width; ``--sequence-parallel`` needs
     ``--tp`` > 1 and a sequence length divisible by it; ``--dp-replicate`` must divide the dp
-    ranks and does not combine with ``--pp``."""
+    ranks."""
     opts, cfg = run.train, run.model
     tp, pp = opts.tp, opts.pp
     if run.world_size % (tp * pp):
@@ -39,11 +39,6 @@ def check_layout(run: RunConfig) -> None:
     if opts.sequence_parallel and tp == 1:
         raise ValueError("--sequence-parallel splits the sequence over tp ranks: add --tp > 1")
     r = opts.dp_replicate
-    if r > 1 and pp > 1:
-        raise ValueError(
-            f"--dp-replicate {r} with --pp {pp}: hierarchical sharding under a pipeline is not "
-            "supported; drop one of them"
-        )
     if run.dp_size % r:
         raise ValueError(
             f"--dp-replicate {r} does not divide the {run.dp_size} data-parallel ranks: choose "
