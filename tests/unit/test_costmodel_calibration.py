@@ -61,9 +61,10 @@ def test_half_duplex_links_add_what_a_rank_sends_and_receives():
     a, b, n = 1e-4, 1e-9, 8 << 20
     full = GroupLinks((0, 0), LinkCost(a, b), LinkCost(a, b))
     half = GroupLinks((0, 0), LinkCost(a, b, False), LinkCost(a, b, False))
-    # 2 ranks: the ring's two rounds each send n/2 and receive n/2 on every rank
+    # 2 ranks: the ring's two rounds each send n/2 and receive n/2 on every rank; half-duplex,
+    # a rank handles the two messages in turn (two latencies, n bytes)
     assert predict_seconds("ring", n, 4, full) == pytest.approx(2 * (a + n / 2 * b))
-    assert predict_seconds("ring", n, 4, half) == pytest.approx(2 * (a + n * b))
+    assert predict_seconds("ring", n, 4, half) == pytest.approx(2 * (2 * a + n * b))
     # the tree's rounds go one way (n bytes out of one rank, into the other): the same either way
     assert predict_seconds("tree", n, 4, half) == pytest.approx(predict_seconds("tree", n, 4, full))
 

@@ -44,9 +44,10 @@ class LinkCost:
     """A link's alpha-beta model: a message of n bytes takes ``alpha_s + n * beta_s_per_byte``.
 
     ``duplex``: a rank sends and receives at once at full rate (a NIC, NVLink). A half-duplex
-    link is one whose bytes go through the rank's own cores, as between CPU processes on one
-    host: what a rank sends and receives in one round add up (the one-way ping-pong that
-    measures beta moves each byte through one core on each side, the same as here).
+    link is one whose messages go through the rank's own cores, as between CPU processes on one
+    host: what a rank sends and receives in one round add up, latency and bytes (the one-way
+    ping-pong that measures alpha and beta handles each message once on each side, the same as
+    here).
     """
 
     alpha_s: float
@@ -216,7 +217,7 @@ def schedule(
 
 def _round_seconds(r: Round | list[Transfer], links: GroupLinks, itemsize: int) -> float:
     """The slowest rank of a round: on duplex links its slowest message; on half-duplex ones
-    its sent and received bytes together."""
+    its messages one after the other (each its latency and bytes)."""
     by_rank: dict[int, list[tuple[LinkCost, int]]] = {}
     for t in r:
         msg = (links.link(t.src, t.dst), (t.hi - t.lo) * itemsize)
@@ -226,9 +227,8 @@ def _round_seconds(r: Round | list[Transfer], links: GroupLinks, itemsize: int) 
     for msgs in by_rank.values():
         half = [(link, n) for link, n in msgs if not link.duplex]
         took = max((link.seconds(n) for link, n in msgs if link.duplex), default=0.0)
-        if half:
-            alpha = max(link.alpha_s for link, _ in half)
-            took = max(took, alpha + sum(n * link.beta_s_per_byte for link, n in half))
+        if half:  # the rank's core handles each message in turn: its latency and its bytes
+            took = max(took, sum(link.seconds(n) for link, n in half))
         slowest = max(slowest, took)
     return slowest
 
