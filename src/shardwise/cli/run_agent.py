@@ -10,7 +10,8 @@ restarts all of them after a failure.
 - A rank that exits 129/130/143 was asked to stop (a signal to that rank alone): the others get
   the grace period to stop too (a training run stops all ranks after the same step).
 - A rank that fails (exits non-zero otherwise) stops the others (SIGTERM, then SIGKILL after
-  ``FAILURE_GRACE_S``); with restarts left, every rank starts again with
+  ``FAILURE_GRACE_S``), unless within ``CAUSE_WINDOW_S`` a peer exits asked to stop (the
+  failure was its consequence); with restarts left, every rank starts again with
   ``SHARDWISE_RESTART_COUNT`` one higher. Across nodes, the rendezvous store
   tells every node (see ``run_rendezvous``).
 """
@@ -41,6 +42,8 @@ FAILURE_GRACE_S = 5.0
 """Seconds the surviving ranks get to exit after another rank failed."""
 
 POLL_S = 0.1
+CAUSE_WINDOW_S = 1.0
+"""How long a rank's failure waits for a peer's stop code (129/130/143) that would explain it."""
 
 
 @dataclass(frozen=True)
@@ -164,35 +167,53 @@ class _Outcome:
     failed_rank: int | None = None
 
 
+@dataclass
+class _Watching:
+    """What the watch has seen so far in one attempt."""
+
+    stopping: tuple[int, float] | None = None  # (stop code, deadline for the others)
+    failed: tuple[int, int, float] | None = None  # (exit code, local rank, when it counts)
+
+
 def _check_ranks(
     procs: RankProcs,
-    stopping: tuple[int, float] | None,
+    seen: _Watching,
     grace_s: Callable[[], float],
     rdzv: Rendezvous | None,
     attempt: int,
-) -> tuple[_Outcome | None, tuple[int, float] | None]:
-    """Look at the ranks' exit codes once. Returns the outcome when the attempt is over, and
-    ``(code, deadline)`` once a rank exited asked to stop (129/130/143): the others then get
-    the grace period to follow (a rank that failed since is a consequence, not the cause)."""
+) -> _Outcome | None:
+    """Look at the ranks' exit codes once; the outcome when the attempt is over.
+
+    A rank that exited asked to stop (129/130/143) starts the grace period for the others (a
+    rank that failed beside it is a consequence, not the cause). A failure counts once
+    ``CAUSE_WINDOW_S`` passed without such a stop, or every rank has exited: a rank leaving
+    its process group on its way out can fail a peer before its own exit code shows."""
     codes = procs.codes()
     if all(c == 0 for c in codes):
-        return _Outcome(0), stopping
-    for local, code in enumerate(codes):
-        if code is None or code == 0 or stopping is not None:
-            continue
-        if exit_code(code) in STOPPED_CODES:
-            stopping = (exit_code(code), time.monotonic() + grace_s())
-            continue
-        if rdzv is not None:
-            rdzv.mark_failed(attempt)
-        procs.stop(signal.SIGTERM, FAILURE_GRACE_S, None)
-        return _Outcome(exit_code(code), failed_rank=procs.first_rank + local), None
-    if stopping is not None and (
-        all(c is not None for c in codes) or time.monotonic() > stopping[1]
-    ):
-        procs.stop(signal.SIGTERM, FAILURE_GRACE_S, None)
-        return _Outcome(stopping[0]), stopping
-    return None, stopping
+        return _Outcome(0)
+    now = time.monotonic()
+    if seen.stopping is None:
+        for code in codes:
+            if code is not None and exit_code(code) in STOPPED_CODES:
+                seen.stopping, seen.failed = (exit_code(code), now + grace_s()), None
+                break
+    if seen.stopping is not None:
+        if all(c is not None for c in codes) or now > seen.stopping[1]:
+            procs.stop(signal.SIGTERM, FAILURE_GRACE_S, None)
+            return _Outcome(seen.stopping[0])
+        return None
+    if seen.failed is None:
+        for local, code in enumerate(codes):
+            if code is not None and code != 0:
+                seen.failed = (exit_code(code), local, now + CAUSE_WINDOW_S)
+                break
+    if seen.failed is None or (now < seen.failed[2] and None in codes):
+        return None
+    code, local, _ = seen.failed
+    if rdzv is not None:
+        rdzv.mark_failed(attempt)
+    procs.stop(signal.SIGTERM, FAILURE_GRACE_S, None)
+    return _Outcome(code, failed_rank=procs.first_rank + local)
 
 
 def _watch(
@@ -204,7 +225,7 @@ def _watch(
     attempt: int,
 ) -> _Outcome:
     last_remote_check = time.monotonic()
-    stopping: tuple[int, float] | None = None
+    seen = _Watching()
     while True:
         if latch.received:
             sig = latch.received[0]
@@ -213,12 +234,12 @@ def _watch(
             forward = signal.SIGTERM if sig == signal.SIGHUP else sig
             in_time = procs.stop(forward, grace, latch)
             return _Outcome(128 + int(sig), sig, killed=not in_time)
-        outcome, stopping = _check_ranks(procs, stopping, grace_s, rdzv, attempt)
+        outcome = _check_ranks(procs, seen, grace_s, rdzv, attempt)
         if outcome is not None:
             return outcome
         if rdzv is not None and time.monotonic() - last_remote_check > 1.0:
             last_remote_check = time.monotonic()
-            if stopping is None and rdzv.failed(attempt):
+            if seen.stopping is None and rdzv.failed(attempt):
                 say("ranks on another node failed: stopping this node's ranks")
                 procs.stop(signal.SIGTERM, FAILURE_GRACE_S, None)
                 return _Outcome(1)
