@@ -105,53 +105,34 @@ def test_tp2_final_model_is_the_plain_gpt(one_process, tp_resumed, capsys):
     assert f"step {STEPS}" in capsys.readouterr().err
 
 
-def test_dp2_tp2_sequence_parallel_matches_one_process(one_process, tmp_path):
-    # 4 ranks: dp2 x tp2, each dp replica reads half of the 8 sequences the single process does
-    run_dir = RunDir(tmp_path / "run")
-    out = train(
-        "--nproc-per-node",
-        "4",
-        "--tp",
-        "2",
-        "--sequence-parallel",
-        "--micro-batch",
-        "4",
-        "--steps",
-        "2",
-        "--checkpoint-every",
-        "0",
-        "--run-dir",
-        str(run_dir.root),
-    )
-    assert "4 ranks (dp2 x tp2)" in out.stdout
+def two_steps_on_four_ranks(run_dir: RunDir, *layout: str) -> str:
+    """Two steps of ``shardwise train`` on 4 ranks in ``layout``, no checkpoints; its stdout."""
+    out = train("--nproc-per-node", "4", *layout, "--steps", "2", "--checkpoint-every", "0",
+                "--run-dir", str(run_dir.root))  # fmt: skip
+    return out.stdout
+
+
+def assert_two_steps_match(one_process: RunDir, run_dir: RunDir) -> None:
+    """The run's first two losses and first validation loss are the single process's."""
     (want, want_val), (got, got_val) = losses(one_process), losses(run_dir)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want[:2]), rtol=0, atol=1e-5)
     torch.testing.assert_close(torch.tensor(got_val), torch.tensor(want_val[:1]), rtol=0, atol=1e-5)
+
+
+def test_dp2_tp2_sequence_parallel_matches_one_process(one_process, tmp_path):
+    # 4 ranks: dp2 x tp2, each dp replica reads half of the 8 sequences the single process does
+    run_dir = RunDir(tmp_path / "run")
+    out = two_steps_on_four_ranks(run_dir, "--tp", "2", "--sequence-parallel", "--micro-batch", "4")
+    assert "4 ranks (dp2 x tp2)" in out
+    assert_two_steps_match(one_process, run_dir)
 
 
 def test_dp4_hierarchical_sharding_matches_one_process(one_process, tmp_path):
     # 4 ranks: 2 replicas x ZeRO-3 over 2 ranks, each rank reading 2 of the 8 sequences
     run_dir = RunDir(tmp_path / "run")
-    out = train(
-        "--nproc-per-node",
-        "4",
-        "--dp-replicate",
-        "2",
-        "--zero",
-        "3",
-        "--micro-batch",
-        "2",
-        "--steps",
-        "2",
-        "--checkpoint-every",
-        "0",
-        "--run-dir",
-        str(run_dir.root),
-    )
-    assert "4 ranks (dp4 (2 replicas of 2))" in out.stdout
-    (want, want_val), (got, got_val) = losses(one_process), losses(run_dir)
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want[:2]), rtol=0, atol=1e-5)
-    torch.testing.assert_close(torch.tensor(got_val), torch.tensor(want_val[:1]), rtol=0, atol=1e-5)
+    layout = ["--dp-replicate", "2", "--zero", "3", "--micro-batch", "2"]
+    assert "4 ranks (dp4 (2 replicas of 2))" in two_steps_on_four_ranks(run_dir, *layout)
+    assert_two_steps_match(one_process, run_dir)
     # sharded over 2 ranks, not 4; the replicas all-reduce this rank's gradient shard
     full = read_metrics(one_process.metrics)[0]["memory"][0]["params"]
     for record in read_metrics(run_dir.metrics):
@@ -224,8 +205,6 @@ def test_pp2_on_four_ranks_matches_one_process(one_process, tmp_path, layout):
         "--run-dir",
         str(run_dir.root),
     )
-    (want, want_val), (got, got_val) = losses(one_process), losses(run_dir)
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want[:2]), rtol=0, atol=1e-5)
-    torch.testing.assert_close(torch.tensor(got_val), torch.tensor(want_val[:1]), rtol=0, atol=1e-5)
+    assert_two_steps_match(one_process, run_dir)
     stages = read_metrics(run_dir.metrics)[-1]["pipeline"]["stages"]
     assert len(stages) == (4 if "interleaved_1f1b" in layout else 2)

@@ -76,6 +76,11 @@ def _once(op: str, group: Group, full: torch.Tensor, shard: torch.Tensor) -> flo
     return float(took.item())
 
 
+def _numel(nbytes: int, n: int) -> int:
+    """fp32 elements timed for ``nbytes``: a multiple of ``n``, at least ``n``."""
+    return max(n, nbytes // 4 // n * n)
+
+
 def time_collectives(
     group: Group,
     sizes: Sequence[int] = DEFAULT_SIZES,
@@ -90,7 +95,7 @@ def time_collectives(
     n = group.size
     times: dict[str, list[float]] = {op: [] for op in ops}
     for nbytes in sizes:
-        numel = max(n, nbytes // 4 // n * n)
+        numel = _numel(nbytes, n)
         full, shard = torch.ones(numel), torch.ones(numel // n)
         runs: dict[str, list[float]] = {op: [] for op in ops}
         for it in range(iters + 1):
@@ -111,7 +116,7 @@ def fit_collectives(
     if group.size < 2:
         raise ValueError("fit_collectives needs a group of two or more ranks")
     times = time_collectives(group, sizes, iters)
-    sized = [max(group.size, s // 4 // group.size * group.size) * 4 for s in sizes]
+    sized = [_numel(s, group.size) * 4 for s in sizes]
     return {op: fit_ring_step(op, group.size, sized, t) for op, t in times.items()}
 
 
