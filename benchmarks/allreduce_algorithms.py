@@ -6,8 +6,11 @@
 
 Every rank first runs ``shardwise.topology.discover`` (with the link emulator on when ``--link``
 is given: messages between the emulated nodes wait alpha + bytes/bw). Then each algorithm is
-timed at each size (in turns): a barrier, 4 all_reduces back to back (as nccl-tests times a
-block), the slowest rank's time per call; the median over ``--iters``; ``auto`` chooses with
+timed at each size, sizes and algorithms in turns (so background load hits all alike): a
+barrier, 4 all_reduces back to back (as nccl-tests times a block), the slowest rank's time per
+call. A size below ``--equal-time-mib`` is timed that many times more per turn (its spread is
+wider). Each row is the median over the ``--iters`` turns, with the median's distribution-free
+95% confidence interval; ``auto`` chooses with
 the discovered links, as ``Config(allreduce_algorithm="auto")`` does. In the same turns the
 comm layer's ring inside every node at once (the ranks sharing the cores as they do in the
 algorithms) is timed: at the ``--calibrate-mib`` sizes it calibrates the model's link inside a
@@ -15,8 +18,8 @@ node (``costmodel.calibrate.fit_schedule_link``; between CPU processes the link 
 ``LinkCost.duplex``); the link across nodes stays the one discovery measured. ``predicted`` is
 ``shardwise.comm.schedules.predict_seconds`` from those links; the backend's own ``native``
 (which the emulator does not delay) is priced as a ring with the ring step fitted to its own
-times at the calibration sizes (``fit_ring_step``). Rows at a
-calibration size are marked ``cal``; the others test the model. The summary compares
+times at the calibration sizes (``fit_ring_step``). The rows fitted (those two at the
+calibration sizes) are marked ``cal``; every other row tests the model. The summary compares
 hierarchical with the flat ring (measured ratio against predicted ratio) and checks that
 ``auto`` is never more than 1.25x the best.
 """
@@ -66,7 +69,23 @@ def _tensor(mib: float) -> torch.Tensor:
 INTRA = "ring inside the nodes"  # the calibration measurement, timed in turns with the others
 
 
-def _task(nodes: str, link: str, sizes_mib: list[float], iters: int) -> dict:
+def _repeats(mib: float, equal_time_mib: float) -> int:
+    """Blocks per turn for one size: as many as make its turn last about as long as one block
+    of ``equal_time_mib`` (a small message's median needs more samples: its spread is wider)."""
+    return max(1, round(equal_time_mib / mib)) if equal_time_mib > 0 else 1
+
+
+def median_interval(xs: list[float], z: float = 1.96) -> tuple[float, float]:
+    """A distribution-free ~95% confidence interval of the median of ``xs``: the order
+    statistics n/2 -/+ z*sqrt(n)/2 (the binomial's normal approximation)."""
+    v = sorted(xs)
+    n = len(v)
+    half = z * n**0.5 / 2
+    return v[max(0, int(n / 2 - half))], v[min(n - 1, int(-(-(n / 2 + half) // 1)))]
+
+
+def _task(nodes: str, link: str, sizes_mib: list[float], iters: int,
+          equal_time_mib: float) -> dict:  # fmt: skip
     os.environ[emulate.NODES_ENV] = nodes
     if link:
         os.environ[emulate.LINK_ENV] = link
@@ -77,22 +96,26 @@ def _task(nodes: str, link: str, sizes_mib: list[float], iters: int) -> dict:
     assert node_group is not None
     members = tuple(r for r, n in enumerate(links.nodes) if n == links.nodes[me])
     node_links = topo.links(members)
+    names = [*ALGS, INTRA]
+    tensors = {mib: _tensor(mib) for mib in sizes_mib}
+    times: dict[tuple[float, str], list[float]] = {(m, a): [] for m in sizes_mib for a in names}
+    for it in range(iters + 1):  # sizes and algorithms take turns: background load hits all alike
+        for mib, t in tensors.items():
+            for _ in range(_repeats(mib, equal_time_mib)):
+                for alg in names:
+                    if alg == INTRA:
+                        seconds = _once(t, "ring", node_links, node_group)
+                    else:
+                        seconds = _once(t, alg, links)
+                    if it:
+                        times[mib, alg].append(seconds)
     rows = []
-    for mib in sizes_mib:
-        t = _tensor(mib)
-        times: dict[str, list[float]] = {alg: [] for alg in [*ALGS, INTRA]}
-        for it in range(iters + 1):  # algorithms take turns: background load hits all alike
-            for alg in times:
-                if alg == INTRA:
-                    seconds = _once(t, "ring", node_links, node_group)
-                else:
-                    seconds = _once(t, alg, links)
-                if it:
-                    times[alg].append(seconds)
-        for alg, runs in times.items():
-            chosen = schedules.choose(t.numel() * 4, 4, links) if alg == "auto" else alg
-            rows.append({"mib": mib, "bytes": t.numel() * 4, "alg": alg, "chosen": chosen,
-                         "s": statistics.median(runs)})  # fmt: skip
+    for (mib, alg), runs in times.items():
+        t = tensors[mib]
+        chosen = schedules.choose(t.numel() * 4, 4, links) if alg == "auto" else alg
+        lo, hi = median_interval(runs)
+        rows.append({"mib": mib, "bytes": t.numel() * 4, "alg": alg, "chosen": chosen,
+                     "s": statistics.median(runs), "lo": lo, "hi": hi, "n": len(runs)})  # fmt: skip
     return {"rows": rows, "min_r2": topo.min_r2(), "links": links, "world": comm.world().size,
             "node_size": len(members)}  # fmt: skip
 
@@ -128,17 +151,19 @@ def _report(out: dict, calib: list[float]) -> None:
     links = _predict(out, calib)
     print(f"discovered: intra {found.intra}, inter {found.inter}, min R² {out['min_r2']:.3f}")
     print(f"model: intra {links.intra}, inter {links.inter}")
-    print(f"{'MiB':>6} {'algorithm':<18} {'chosen':<18} {'measured ms':>12} {'predicted ms':>13} "
-          f"{'error':>7}")  # fmt: skip
+    print(f"{'MiB':>6} {'algorithm':<22} {'chosen':<17} {'n':>4} {'measured ms':>11} "
+          f"{'95% CI of median':>17} {'predicted ms':>12} {'error':>6}")  # fmt: skip
     worst = 0.0
     for r in rows:
         err = r["s"] / r["pred"] - 1
-        cal = r["mib"] in calib
+        cal = r["mib"] in calib and r["alg"] in ("native", INTRA)  # the rows fitted
         if not cal:
             worst = max(worst, abs(err))
-        print(f"{r['mib']:>6g} {r['alg']:<18} {r['chosen']:<18} {r['s'] * 1e3:>12.2f} "
-              f"{r['pred'] * 1e3:>13.2f} {err:>+7.0%}{'  cal' if cal else ''}")  # fmt: skip
-    print(f"largest |error| outside the calibration sizes: {worst:.0%}")
+        ci = f"{r['lo'] * 1e3:.2f}-{r['hi'] * 1e3:.2f}"
+        ms, pred = r["s"] * 1e3, r["pred"] * 1e3
+        print(f"{r['mib']:>6g} {r['alg']:<22} {r['chosen']:<17} {r['n']:>4} {ms:>11.2f} "
+              f"{ci:>17} {pred:>12.2f} {err:>+6.0%}{'  cal' if cal else ''}")  # fmt: skip
+    print(f"largest |error| of the rows not fitted: {worst:.0%}")
     for mib in sorted({r["mib"] for r in rows}):
         by = {r["alg"]: r for r in rows if r["mib"] == mib}
         meas = by["ring"]["s"] / by["hierarchical"]["s"]
@@ -156,15 +181,24 @@ def main() -> int:
     p.add_argument("--link", default="inter=alpha:1ms,bw:0.1GB/s", help="'' for none")
     p.add_argument("--sizes-mib", default="1,2,4,8,16,32")
     p.add_argument("--iters", type=int, default=7)
+    p.add_argument(
+        "--equal-time-mib",
+        type=float,
+        default=8.0,
+        help="a size below this is timed about this/size times per turn (0: once)",
+    )
     p.add_argument("--calibrate-mib", default="1,16", help="'' for the discovered link as is")
     args = p.parse_args()
     calib = [float(s) for s in args.calibrate_mib.split(",") if s]
     sizes = sorted({float(s) for s in args.sizes_mib.split(",")} | set(calib))
     print(f"# allreduce_algorithms @ {source_version()}: world {args.world}, nodes {args.nodes}, "
-          f"link {args.link or 'none'}, iters {args.iters}")  # fmt: skip
+          f"link {args.link or 'none'}, iters {args.iters}, "
+          f"equal-time {args.equal_time_mib:g} MiB")  # fmt: skip
     pool = RankPool(args.world)
     try:
-        out = pool.run(_task, args.nodes, args.link, sizes, args.iters, timeout_s=3600)[0]
+        out = pool.run(
+            _task, args.nodes, args.link, sizes, args.iters, args.equal_time_mib, timeout_s=3600
+        )[0]
     finally:
         pool.close()
     _report(out, calib)

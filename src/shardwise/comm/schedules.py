@@ -243,8 +243,12 @@ def predict_seconds(algorithm: str, nbytes: int, itemsize: int, links: GroupLink
     return sum(_round_seconds(r, links, itemsize) for r in rounds)
 
 
+@functools.lru_cache(maxsize=1024)
 def choose(nbytes: int, itemsize: int, links: GroupLinks) -> str:
-    """The algorithm with the least predicted time (ties: the earlier in ``ALGORITHMS``)."""
+    """The algorithm with the least predicted time (ties: the earlier in ``ALGORITHMS``).
+
+    Remembered per (size, links): ``all_reduce(algorithm="auto")`` asks on every call, and
+    pricing every schedule costs up to a millisecond at 8 ranks."""
     options = [a for a in ALGORITHMS if a != "hierarchical" or _uniform(links.nodes)]
     return min(options, key=lambda a: predict_seconds(a, nbytes, itemsize, links))
 
