@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from provenance import source_version
+from spread import median_interval
 
 from shardwise import comm
 from shardwise.comm import emulate, schedules
@@ -73,15 +74,6 @@ def _repeats(mib: float, equal_time_mib: float) -> int:
     """Blocks per turn for one size: as many as make its turn last about as long as one block
     of ``equal_time_mib`` (a small message's median needs more samples: its spread is wider)."""
     return max(1, round(equal_time_mib / mib)) if equal_time_mib > 0 else 1
-
-
-def median_interval(xs: list[float], z: float = 1.96) -> tuple[float, float]:
-    """A distribution-free ~95% confidence interval of the median of ``xs``: the order
-    statistics n/2 -/+ z*sqrt(n)/2 (the binomial's normal approximation)."""
-    v = sorted(xs)
-    n = len(v)
-    half = z * n**0.5 / 2
-    return v[max(0, int(n / 2 - half))], v[min(n - 1, int(-(-(n / 2 + half) // 1)))]
 
 
 def _task(nodes: str, link: str, sizes_mib: list[float], iters: int,

@@ -52,10 +52,14 @@ def test_two_ranks_fit_well():
 
 
 def _fit_collectives_task():
-    from shardwise.costmodel.calibrate import COLLECTIVES, fit_collectives
+    from shardwise.costmodel.calibrate import COLLECTIVES, fit_collectives, sample_collectives
 
     fits = fit_collectives(comm.world(), sizes=(256 << 10, 1 << 20, 4 << 20), iters=2)
     assert set(fits) == set(COLLECTIVES)
+    # a size below equal_time_bytes is timed that many times more per turn
+    samples = sample_collectives(comm.world(), (256 << 10, 1 << 20), 2, ("all_gather",), 1 << 20)
+    assert {k: len(v) for k, v in samples.items()} == {
+        ("all_gather", 256 << 10): 8, ("all_gather", 1 << 20): 2}  # fmt: skip
     return {op: (c.alpha_s, c.beta_s_per_byte) for op, c in fits.items()}
 
 

@@ -76,9 +76,45 @@ def _once(op: str, group: Group, full: torch.Tensor, shard: torch.Tensor) -> flo
     return float(took.item())
 
 
-def _numel(nbytes: int, n: int) -> int:
-    """fp32 elements timed for ``nbytes``: a multiple of ``n``, at least ``n``."""
-    return max(n, nbytes // 4 // n * n)
+def timed_bytes(nbytes: int, n: int) -> int:
+    """The fp32 bytes timed for a requested ``nbytes`` over ``n`` ranks: a multiple of ``n``
+    elements, at least ``n``."""
+    return max(n, nbytes // 4 // n * n) * 4
+
+
+def sample_collectives(
+    group: Group,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    iters: int = 5,
+    ops: Sequence[str] = COLLECTIVES,
+    equal_time_bytes: int = 0,
+) -> dict[tuple[str, int], list[float]]:
+    """Every timed sample (the slowest rank's seconds) of each fp32 collective at each size,
+    keyed ``(op, requested bytes)``, after one untimed turn. Sizes and collectives take turns,
+    so background load hits all alike; a size below ``equal_time_bytes`` is timed about
+    ``equal_time_bytes / size`` times per turn (a small message's times spread wider).
+    Collective: every rank of ``group`` calls it."""
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    if len(set(sizes)) != len(sizes) or min(sizes, default=1) <= 0:
+        raise ValueError(f"sizes must be distinct byte counts > 0, got {list(sizes)}")
+    for op in ops:
+        ring_steps(op, 2)  # refuses an unknown op
+    n = group.size
+    buffers = {}
+    for nbytes in sizes:
+        numel = timed_bytes(nbytes, n) // 4
+        buffers[nbytes] = (torch.ones(numel), torch.ones(numel // n))
+    samples: dict[tuple[str, int], list[float]] = {(op, s): [] for s in sizes for op in ops}
+    for it in range(iters + 1):
+        for nbytes, (full, shard) in buffers.items():
+            repeats = max(1, round(equal_time_bytes / nbytes)) if equal_time_bytes > 0 else 1
+            for _ in range(repeats):
+                for op in ops:
+                    seconds = _once(op, group, full, shard)
+                    if it:
+                        samples[op, nbytes].append(seconds)
+    return samples
 
 
 def time_collectives(
@@ -87,25 +123,10 @@ def time_collectives(
     iters: int = 5,
     ops: Sequence[str] = COLLECTIVES,
 ) -> dict[str, list[float]]:
-    """Median seconds (the slowest rank's) of each fp32 collective at each size in bytes,
-    after one untimed round; the collectives take turns so background load hits all alike.
-    Collective: every rank of ``group`` calls it."""
-    if iters < 1:
-        raise ValueError(f"iters must be >= 1, got {iters}")
-    n = group.size
-    times: dict[str, list[float]] = {op: [] for op in ops}
-    for nbytes in sizes:
-        numel = _numel(nbytes, n)
-        full, shard = torch.ones(numel), torch.ones(numel // n)
-        runs: dict[str, list[float]] = {op: [] for op in ops}
-        for it in range(iters + 1):
-            for op in ops:
-                seconds = _once(op, group, full, shard)
-                if it:
-                    runs[op].append(seconds)
-        for op in ops:
-            times[op].append(statistics.median(runs[op]))
-    return times
+    """Median seconds (the slowest rank's) of each fp32 collective at each size in bytes
+    (``sample_collectives``). Collective: every rank of ``group`` calls it."""
+    samples = sample_collectives(group, sizes, iters, ops)
+    return {op: [statistics.median(samples[op, s]) for s in sizes] for op in ops}
 
 
 def fit_collectives(
@@ -116,7 +137,7 @@ def fit_collectives(
     if group.size < 2:
         raise ValueError("fit_collectives needs a group of two or more ranks")
     times = time_collectives(group, sizes, iters)
-    sized = [_numel(s, group.size) * 4 for s in sizes]
+    sized = [timed_bytes(s, group.size) for s in sizes]
     return {op: fit_ring_step(op, group.size, sized, t) for op, t in times.items()}
 
 
