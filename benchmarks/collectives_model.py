@@ -1,7 +1,7 @@
 """The cost model's collectives against their measured times, at sizes the fit never saw.
 
-    python benchmarks/collectives_model.py                  # 2 ranks, 1-64 MiB, fit at 1 and 16
-    python benchmarks/collectives_model.py --world 3 --calibrate-mib 1,4,64
+    python benchmarks/collectives_model.py                  # 2 ranks, 1-64 MiB
+    python benchmarks/collectives_model.py --world 3 --calibrate-mib 1,16
 
 The cost model prices a tensor's all_reduce, all_gather and reduce_scatter inside a node as a
 ring of fitted steps (``Hardware.collectives``, from ``costmodel.calibrate.fit_collectives``).
@@ -10,7 +10,8 @@ Here each collective (the comm layer's, on the backend's own algorithm) is timed
 so background load hits all alike, and a size below ``--equal-time-mib`` is timed more often per
 turn, since its times spread wider. Each time is the slowest rank's, after a barrier. Per
 collective the ring step is fitted (``fit_ring_step``) to the medians at ``--calibrate-mib``
-only; every other size tests the prediction (``costmodel.predict.ring_seconds``), the same
+only (by default the sizes ``fit_collectives`` sweeps, so the fit is the one the step model
+gets); every other size tests the prediction (``costmodel.predict.ring_seconds``), the same
 function the step model uses. Each median comes with its distribution-free 95% interval.
 """
 
@@ -27,6 +28,7 @@ from spread import median_interval
 from shardwise import comm
 from shardwise.costmodel.calibrate import (
     COLLECTIVES,
+    DEFAULT_SIZES,
     fit_ring_step,
     sample_collectives,
     timed_bytes,
@@ -70,7 +72,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--sizes-mib", default="1,2,4,8,16,32,64")
-    p.add_argument("--calibrate-mib", default="1,16")
+    p.add_argument("--calibrate-mib", default=",".join(f"{s // MIB}" for s in DEFAULT_SIZES))
     p.add_argument("--iters", type=int, default=15)
     more = "a size below this is timed about this/size times per turn (0: once)"
     p.add_argument("--equal-time-mib", type=float, default=8.0, help=more)
