@@ -75,7 +75,7 @@ def main() -> int:
     p.add_argument("--calibrate-mib", default=",".join(f"{s // MIB}" for s in DEFAULT_SIZES))
     p.add_argument("--iters", type=int, default=15)
     more = "a size below this is timed about this/size times per turn (0: once)"
-    p.add_argument("--equal-time-mib", type=float, default=8.0, help=more)
+    p.add_argument("--equal-time-mib", type=float, default=32.0, help=more)
     args = p.parse_args()
     calib = [int(float(s) * MIB) for s in args.calibrate_mib.split(",") if s]
     if len(set(calib)) < 2:
