@@ -2,7 +2,7 @@
 and pipeline parallel, each measurement beside the cost model's prediction.
 
     python benchmarks/scaling.py [--model anchor] [--ranks 1,2,4] [--systems dp,zero3,tp,pp]
-        [--micro-batch 2] [--steps 3] [--warmup 1] [--cores N] [--json out.json] [--png out.png]
+        [--micro-batch 2] [--steps 3] [--warmup 1] [--json out.json] [--png out.png]
 
 Weak scaling: every rank brings ``--micro-batch`` sequences, so the global batch at N ranks is
 N times the one-rank batch. dp and ZeRO-3 give each rank its own sequences; tp (tp=N) runs the
@@ -14,12 +14,14 @@ Per row: median step (the slowest rank's), tokens/s, efficiency, exposed communi
 of the step (``exposed_comm_seconds``: time ranks were blocked on collectives or messages),
 bytes per step, and the cost model's step time and efficiency for the same plan. The cost model
 is calibrated on this machine, never on the runs it predicts: compute FLOP/s from the one-rank
-step, memory bandwidth from a copy, and at each N the point-to-point link from
+step, and at each N from N copies of that step run at once, each alone (no communication), so
+the cores are as busy as in the runs (SMT siblings, shared memory bandwidth and more ranks than
+cores slow a rank's compute, and the model's per-device FLOP/s must say so); memory bandwidth
+from a copy; and at each N the point-to-point link from
 ``topology.discover`` and each collective's ring step from a timed sweep of 1-64 MiB
 (``costmodel.calibrate.fit_collectives``); communication does not overlap compute (gloo reduces
 on the cores the step computes on: ``Hardware.overlap=False``). The pipeline plan carries the
-partition's layers per stage. With more ranks than cores the ranks share the cores: the model's
-per-rank FLOP/s is scaled by cores / N there (stated in the output). An all-reduce bus
+partition's layers per stage. An all-reduce bus
 bandwidth (nccl-tests' definition: 2(N-1)/N * bytes / time) of a gradient-sized buffer is
 measured at each N.
 """
@@ -57,6 +59,12 @@ def _build(system: str, model_name: str, n: int, micro: int) -> tuple[Any, int]:
     cfg = GPTConfig.named(model_name)
     torch.manual_seed(0)
     model = GPT(cfg)
+    if system == "alone":  # every rank trains its own one-rank copy: compute at full occupancy
+        from shardwise import comm
+
+        alone = comm.split(comm.world().rank, 0)
+        opt = torch.optim.AdamW(model.parameters(), **OPTIM)
+        return shardwise.initialize(model, opt, shardwise.Config(), group=alone), 1
     if system in ("dp", "zero3") or n == 1:
         opt = torch.optim.AdamW(model.parameters(), **OPTIM)
         zero = 3 if system == "zero3" else 0
@@ -212,7 +220,6 @@ def main() -> int:
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per step")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     p.add_argument("--json")
     p.add_argument("--png")
     args = p.parse_args()
@@ -223,40 +230,47 @@ def main() -> int:
         p.error(f"--systems from {SYSTEMS} (got {sorted(unknown)}); --ranks must include 1")
     m, micro = shape(args.model), args.micro_batch
     print(f"# scaling @ {source_version()}: {args.model}, {micro} sequences per rank, "
-          f"{args.cores} cores, ranks {ranks}")  # fmt: skip
+          f"{os.cpu_count()} cores, ranks {ranks}")  # fmt: skip
     one = _pool(1, run_rank, "dp", args.model, micro, args.steps, args.warmup)[0]
     t1 = statistics.median(one["times"])
+    busy = {n: statistics.median(_pool(n, run_rank, "alone", args.model, micro, args.steps,
+                                       args.warmup)[0]["times"])
+            for n in ranks if n > 1}  # fmt: skip
     calib = {n: _pool(n, links_rank)[0] for n in ranks if n > 1}
     intra, inter, membw, _ = calib[min(calib)]
     base = predict(m, _plan("dp", 1, micro, args.model), shardwise.costmodel.measured(
         (intra, inter), 64, 1.0, 1 << 40, membw))  # fmt: skip
-    flops = base.breakdown["compute"] / (t1 - base.breakdown["optimizer"])
-    print(f"calibration: 1 rank {t1:.3f} s/step -> {flops / 1e9:.2f} GFLOP/s per rank; "
+
+    def flops_at(step_s: float) -> float:
+        return base.breakdown["compute"] / (step_s - base.breakdown["optimizer"])
+
+    flops = {1: flops_at(t1)} | {n: flops_at(t) for n, t in busy.items()}
+    print(f"calibration: 1 rank {t1:.3f} s/step -> {flops[1] / 1e9:.2f} GFLOP/s per rank; "
           f"memory {membw / 1e9:.1f} GB/s")  # fmt: skip
     for n, (a, _, _, fits) in calib.items():
         rings = ", ".join(f"{op} {c.alpha_s * 1e6:.0f} us + {1 / c.beta_s_per_byte / 1e9:.2f} GB/s"
                           for op, c in fits.items())  # fmt: skip
-        print(f"  {n} ranks: p2p alpha {a.alpha_s * 1e6:.0f} us, "
+        print(f"  {n} ranks: {n} one-rank steps at once {busy[n]:.3f} s/step -> "
+              f"{flops[n] / 1e9:.2f} GFLOP/s per rank; p2p alpha {a.alpha_s * 1e6:.0f} us, "
               f"{1 / a.beta_s_per_byte / 1e9:.2f} GB/s; ring steps: {rings}")  # fmt: skip
     tok1 = one["tokens"] / t1
 
-    def hw_at(n: int, share: float) -> Any:
+    def hw_at(n: int) -> Any:
         if n == 1:
-            return shardwise.costmodel.measured((intra, inter), 64, flops, 1 << 40, membw)
+            return shardwise.costmodel.measured((intra, inter), 64, flops[1], 1 << 40, membw)
         a, b, bw, fits = calib[n]
         return shardwise.costmodel.measured(
-            (a, b), 64, flops * share, 1 << 40, bw, collectives=fits, overlap=False
+            (a, b), 64, flops[n], 1 << 40, bw, collectives=fits, overlap=False
         )
 
     rows: list[dict] = []
     busbw: dict[int, float] = {}
     grad_numel = GPTConfig.named(args.model).param_count()
-    pred1 = predict(m, _plan("dp", 1, micro, args.model), hw_at(1, 1.0)).step_s  # = t1
+    pred1 = predict(m, _plan("dp", 1, micro, args.model), hw_at(1)).step_s  # = t1
     for n in ranks:
         if n > 1:
             busbw[n] = statistics.median(_pool(n, busbw_rank, grad_numel, 5))
-        share = min(1.0, args.cores / n)  # ranks beyond the cores share them
-        hw = hw_at(n, share)
+        hw = hw_at(n)
         for system in systems:
             r = one if n == 1 else _pool(n, run_rank, system, args.model, micro, args.steps,
                                          args.warmup)[0]  # fmt: skip
@@ -270,7 +284,7 @@ def main() -> int:
                 "bytes_per_step": r["bytes"], "predicted_step_s": pred.step_s,
                 "predicted_breakdown": pred.breakdown,
                 "predicted_efficiency": tokens / pred.step_s / (n * one["tokens"] / pred1),
-                "cores_share": share,
+                "calibration_gflops": flops[n] / 1e9,
             })  # fmt: skip
     head = (f"{'system':<6} {'ranks':>5} {'step s':>8} {'tok/s':>8} {'eff':>6} "
             f"{'exposed':>8} {'pred s':>8} {'pred eff':>8} {'err':>6}")  # fmt: skip
@@ -285,7 +299,7 @@ def main() -> int:
     for n, bw in busbw.items():
         print(f"all_reduce busbw at {n} ranks ({grad_numel * 4 / 2**20:.0f} MiB fp32): "
               f"{bw:.2f} GB/s")  # fmt: skip
-    out = {"version": source_version(), "args": vars(args), "calibration_gflops": flops / 1e9,
+    out = {"version": source_version(), "args": vars(args), "calibration_gflops": flops[1] / 1e9,
            "rows": rows, "allreduce_busbw_gbs": busbw}  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
