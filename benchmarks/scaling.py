@@ -2,13 +2,16 @@
 and pipeline parallel, each measurement beside the cost model's prediction.
 
     python benchmarks/scaling.py [--model anchor] [--ranks 1,2,4] [--systems dp,zero3,tp,pp]
-        [--micro-batch 2] [--steps 3] [--warmup 1] [--json out.json] [--png out.png]
+        [--micro-batch 2] [--steps 2] [--rounds 3] [--warmup 1] [--json out.json] [--png out.png]
 
 Weak scaling: every rank brings ``--micro-batch`` sequences, so the global batch at N ranks is
 N times the one-rank batch. dp and ZeRO-3 give each rank its own sequences; tp (tp=N) runs the
 whole global batch on every rank with each layer split N ways; pp (pp=N, 1F1B) runs it as
 N * micro-batch micro-batches of one sequence. Scaling efficiency = tokens/s at N ranks over N
 times tokens/s at one rank (the one-process step of the same per-rank batch).
+
+Every run keeps its processes and engine while the runs take turns (``--rounds`` turns of
+``--steps`` timed steps each), so a drift in the machine's speed hits all alike.
 
 Per row: median step (the slowest rank's), tokens/s, efficiency, exposed communication as a share
 of the step (``exposed_comm_seconds``: time ranks were blocked on collectives or messages),
@@ -20,7 +23,9 @@ cores slow a rank's compute, and the model's per-device FLOP/s must say so); mem
 from a copy; and at each N the point-to-point link from
 ``topology.discover`` and each collective's ring step from a timed sweep of 1-64 MiB
 (``costmodel.calibrate.fit_collectives``); communication does not overlap compute (gloo reduces
-on the cores the step computes on: ``Hardware.overlap=False``). The pipeline plan carries the
+on the cores the step computes on: ``Hardware.overlap=False``); and the share of compute lost
+where ranks meet often (tp collectives, pp messages) from a matmul-then-all_reduce loop
+(``costmodel.calibrate.measure_sync_loss``). The pipeline plan carries the
 partition's layers per stage. An all-reduce bus
 bandwidth (nccl-tests' definition: 2(N-1)/N * bytes / time) of a gradient-sized buffer is
 measured at each N.
@@ -82,6 +87,9 @@ def _build(system: str, model_name: str, n: int, micro: int) -> tuple[Any, int]:
     return shardwise.initialize(pipe, opt, config, group=mesh), n
 
 
+_ENGINES: dict[tuple, tuple[Any, int]] = {}  # per worker process: built once, timed in turns
+
+
 def run_rank(system: str, model_name: str, micro: int, steps: int, warmup: int) -> dict:
     import shardwise
     from shardwise import comm
@@ -90,7 +98,10 @@ def run_rank(system: str, model_name: str, micro: int, steps: int, warmup: int) 
     torch.set_num_threads(1)
     n = shardwise.world_size()
     cfg = GPTConfig.named(model_name)
-    engine, share = _build(system, model_name, n, micro)
+    key = (system, model_name, n, micro)
+    if key not in _ENGINES:
+        _ENGINES[key] = _build(system, model_name, n, micro)
+    engine, share = _ENGINES[key]
     seqs = micro * share
     gen = torch.Generator().manual_seed(1 + shardwise.rank() * (share == 1))
     world = comm.world()
@@ -138,16 +149,18 @@ def busbw_rank(numel: int, iters: int) -> float:
 
 
 def links_rank() -> tuple:
-    """(intra, inter, memory bandwidth, per-collective ring steps) measured over the world."""
+    """(intra, inter, memory bandwidth, per-collective ring steps, sync loss) measured over the
+    world."""
     from shardwise import comm
-    from shardwise.costmodel.calibrate import fit_collectives
+    from shardwise.costmodel.calibrate import fit_collectives, measure_sync_loss
     from shardwise.costmodel.hardware import measure_memory_bandwidth
     from shardwise.topology import discover
 
     torch.set_num_threads(1)
     links = discover(comm.world(), reps=10).links()
     collectives = fit_collectives(comm.world())
-    return links.intra, links.inter, measure_memory_bandwidth(), collectives
+    sync = measure_sync_loss(comm.world())
+    return links.intra, links.inter, measure_memory_bandwidth(), collectives, sync
 
 
 def _stage_layers(model_name: str, n: int) -> tuple[int, ...]:
@@ -185,6 +198,33 @@ def _pool(n: int, fn: Any, *args: Any) -> list:
         pool.close()
 
 
+def _timed_in_turns(ranks: list[int], systems: list[str], args: Any) -> dict:
+    """Per (ranks, system): the one-rank step, then at each N the N one-rank steps at once
+    ("alone") and every system, run ``--rounds`` times in turns (each pool keeps its engine),
+    so a drift in the machine's speed hits calibration and measurement alike."""
+    from shardwise.testing import RankPool
+
+    runs: dict[tuple[int, str], dict] = {}
+    for n in [r for r in ranks if r > 1] or [1]:
+        jobs = [(1, "dp")] + [(n, s) for s in ("alone", *systems) if n > 1]
+        pools = {job: RankPool(job[0], pg_timeout_s=900.0, start_timeout_s=300.0) for job in jobs}
+        try:
+            for rnd in range(args.rounds):
+                for job, pool in pools.items():
+                    warm = args.warmup if rnd == 0 else 0  # a new pool's first turn
+                    r = pool.run(run_rank, job[1], args.model, args.micro_batch, args.steps, warm,
+                                 timeout_s=3600)[0]  # fmt: skip
+                    if job in runs:
+                        runs[job]["times"] += r["times"]
+                        runs[job]["exposed"] += r["exposed"]
+                    else:
+                        runs[job] = r
+        finally:
+            for pool in pools.values():
+                pool.close()
+    return runs
+
+
 def _png(rows: list[dict], path: str) -> None:
     import matplotlib
 
@@ -218,7 +258,8 @@ def main() -> int:
     p.add_argument("--ranks", default="1,2,4")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per step")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=2, help="timed steps per turn")
+    p.add_argument("--rounds", type=int, default=3, help="turns of every run")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--json")
     p.add_argument("--png")
@@ -231,13 +272,12 @@ def main() -> int:
     m, micro = shape(args.model), args.micro_batch
     print(f"# scaling @ {source_version()}: {args.model}, {micro} sequences per rank, "
           f"{os.cpu_count()} cores, ranks {ranks}")  # fmt: skip
-    one = _pool(1, run_rank, "dp", args.model, micro, args.steps, args.warmup)[0]
+    runs = _timed_in_turns(ranks, systems, args)
+    one = runs[1, "dp"]
     t1 = statistics.median(one["times"])
-    busy = {n: statistics.median(_pool(n, run_rank, "alone", args.model, micro, args.steps,
-                                       args.warmup)[0]["times"])
-            for n in ranks if n > 1}  # fmt: skip
+    busy = {n: statistics.median(runs[n, "alone"]["times"]) for n in ranks if n > 1}
     calib = {n: _pool(n, links_rank)[0] for n in ranks if n > 1}
-    intra, inter, membw, _ = calib[min(calib)]
+    intra, inter, membw, _, _ = calib[min(calib)]
     base = predict(m, _plan("dp", 1, micro, args.model), shardwise.costmodel.measured(
         (intra, inter), 64, 1.0, 1 << 40, membw))  # fmt: skip
 
@@ -247,20 +287,21 @@ def main() -> int:
     flops = {1: flops_at(t1)} | {n: flops_at(t) for n, t in busy.items()}
     print(f"calibration: 1 rank {t1:.3f} s/step -> {flops[1] / 1e9:.2f} GFLOP/s per rank; "
           f"memory {membw / 1e9:.1f} GB/s")  # fmt: skip
-    for n, (a, _, _, fits) in calib.items():
+    for n, (a, _, _, fits, sync) in calib.items():
         rings = ", ".join(f"{op} {c.alpha_s * 1e6:.0f} us + {1 / c.beta_s_per_byte / 1e9:.2f} GB/s"
                           for op, c in fits.items())  # fmt: skip
         print(f"  {n} ranks: {n} one-rank steps at once {busy[n]:.3f} s/step -> "
               f"{flops[n] / 1e9:.2f} GFLOP/s per rank; p2p alpha {a.alpha_s * 1e6:.0f} us, "
-              f"{1 / a.beta_s_per_byte / 1e9:.2f} GB/s; ring steps: {rings}")  # fmt: skip
+              f"{1 / a.beta_s_per_byte / 1e9:.2f} GB/s; ring steps: {rings}; "
+              f"sync loss {sync:.1%}")  # fmt: skip
     tok1 = one["tokens"] / t1
 
     def hw_at(n: int) -> Any:
         if n == 1:
             return shardwise.costmodel.measured((intra, inter), 64, flops[1], 1 << 40, membw)
-        a, b, bw, fits = calib[n]
+        a, b, bw, fits, sync = calib[n]
         return shardwise.costmodel.measured(
-            (a, b), 64, flops[n], 1 << 40, bw, collectives=fits, overlap=False
+            (a, b), 64, flops[n], 1 << 40, bw, collectives=fits, overlap=False, sync_loss=sync
         )
 
     rows: list[dict] = []
@@ -272,8 +313,7 @@ def main() -> int:
             busbw[n] = statistics.median(_pool(n, busbw_rank, grad_numel, 5))
         hw = hw_at(n)
         for system in systems:
-            r = one if n == 1 else _pool(n, run_rank, system, args.model, micro, args.steps,
-                                         args.warmup)[0]  # fmt: skip
+            r = one if n == 1 else runs[n, system]
             step = statistics.median(r["times"])
             tokens = r["tokens"] * (n if system in ("dp", "zero3") else 1)
             pred = predict(m, _plan(system, n, micro, args.model), hw)

@@ -163,3 +163,60 @@ def fit_schedule_link(
     x = [v / r for v, r in zip(volume, rounds, strict=True)]
     alpha, beta = _weighted_line(x, per_round)
     return LinkCost(alpha, beta, duplex)
+
+
+SYNC_SEGMENTS_S = (0.02, 0.05, 0.1)
+
+
+def _slowest(seconds: float, group: Group) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    ops.all_reduce(t, "max", group=group)
+    return float(t.item())
+
+
+def measure_sync_loss(
+    group: Group,
+    segments_s: Sequence[float] = SYNC_SEGMENTS_S,
+    nbytes: int = 1 << 20,
+    reps: int = 8,
+    rounds: int = 5,
+) -> float:
+    """``Hardware.sync_loss`` over ``group`` (collective): the share of the compute between two
+    blocking all_reduces that the ranks lose meeting at them.
+
+    For each segment length (a matmul sized to take about that long), in turns: ``reps``
+    segments back to back (the ranks meet once, after them), ``reps`` all_reduces of
+    ``nbytes`` back to back, and ``reps`` of segment-then-all_reduce. The loss at a length is
+    (third - first - second) / first, per call, from the medians over ``rounds`` of the slowest
+    rank's times; the result is fitted through the origin over the lengths, at least 0."""
+    if reps < 1 or rounds < 1 or not segments_s or min(segments_s) <= 0:
+        raise ValueError("measure_sync_loss needs reps >= 1, rounds >= 1 and segments > 0 s")
+    probe = torch.randn(256, 256)
+    probe @ probe
+    t0 = time.perf_counter()
+    probe @ probe
+    rate = 2 * 256**3 / _slowest(time.perf_counter() - t0, group)  # the same on every rank
+    sides = [max(64, round((seg * rate / 2) ** (1 / 3))) for seg in segments_s]
+    mats = [(torch.randn(n, n), torch.randn(n, n)) for n in sides]
+    buf = torch.ones(max(1, nbytes // 4))
+    runs: list[dict[str, list[float]]] = [{"c": [], "a": [], "ca": []} for _ in sides]
+
+    def timed(a: torch.Tensor | None, b: torch.Tensor | None, reduce: bool) -> float:
+        ops.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            if a is not None and b is not None:
+                a @ b
+            if reduce:
+                ops.all_reduce(buf, "sum", group=group)
+        return _slowest((time.perf_counter() - t0) / reps, group)
+
+    for it in range(rounds + 1):
+        for (a, b), run in zip(mats, runs, strict=True):
+            times = {"c": timed(a, b, False), "a": timed(None, None, True), "ca": timed(a, b, True)}
+            if it:
+                for k, v in times.items():
+                    run[k].append(v)
+    seg = [statistics.median(r["c"]) for r in runs]
+    lost = [statistics.median(r["ca"]) - statistics.median(r["a"]) - c for r, c in zip(runs, seg)]
+    return max(0.0, sum(s * x for s, x in zip(seg, lost)) / sum(s * s for s in seg))

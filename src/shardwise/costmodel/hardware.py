@@ -27,6 +27,13 @@ class Hardware:
     whether communication runs beside compute (GPUs: copy engines and NCCL's own SMs) or on the
     cores the compute needs (a CPU backend: gloo reduces on them), in which case no
     communication hides.
+
+    ``sync_loss`` (measured hardware): the share of the compute between two blocking
+    collectives (or messages) that the ranks lose meeting at them: each segment ends when the
+    slowest rank's does (skew from noise on shared cores), and the transfer leaves the caches
+    cold. It applies where a step meets often (tensor parallel, pipeline); the once-per-step
+    meeting of data parallelism is already in a step-time calibration. Measured by
+    ``calibrate.measure_sync_loss``; 0 in the presets (their calibrations come from whole runs).
     """
 
     name: str
@@ -40,8 +47,11 @@ class Hardware:
     sources: str
     collectives: Mapping[str, LinkCost] = field(default_factory=dict)
     overlap: bool = True
+    sync_loss: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.sync_loss < 1:
+            raise ValueError(f"sync_loss must be in [0, 1), got {self.sync_loss}")
         if not 0 < self.matmul_efficiency <= 1:
             raise ValueError(f"matmul_efficiency must be in (0, 1], got {self.matmul_efficiency}")
         if self.peak_flops <= 0 or self.memory_bytes <= 0 or self.devices_per_node < 1:
@@ -171,11 +181,13 @@ def measured(
     memory_bw_bytes_per_s: float,
     collectives: Mapping[str, LinkCost] | None = None,
     overlap: bool = True,
+    sync_loss: float = 0.0,
 ) -> Hardware:
     """Hardware from what was measured here: ``links`` = (intra, inter) from
     ``Topology.links()``, ``flops`` from ``measure_matmul_flops`` or a timed step (taken as fully
     efficient), ``memory_bw_bytes_per_s`` from ``measure_memory_bandwidth``, ``collectives``
-    from ``calibrate.fit_collectives``; ``overlap=False`` on a CPU backend (see ``Hardware``)."""
+    from ``calibrate.fit_collectives``; ``overlap=False`` on a CPU backend and ``sync_loss`` from
+    ``calibrate.measure_sync_loss`` (see ``Hardware``)."""
     intra, inter = links
     return Hardware(
         "measured",
@@ -189,4 +201,5 @@ def measured(
         sources="measured by shardwise.topology.discover and matmul/copy calibrations",
         collectives=dict(collectives or {}),
         overlap=overlap,
+        sync_loss=sync_loss,
     )

@@ -19,6 +19,10 @@ Per device and step (every term in seconds, ``Prediction.breakdown``):
   the hardware overlaps communication with compute (``Hardware.overlap``);
 - optimizer: AdamW streaming its states through memory (36 bytes per local parameter).
 
+Where ranks meet often inside the step (tensor-parallel collectives, pipeline messages), each
+meeting costs ``Hardware.sync_loss`` of the compute since the previous one: in all,
+``sync_loss`` times the compute, added to tp (to p2p when tp = 1).
+
 Collectives are rings over the slowest link of the group: 2(n-1)(alpha + S/n beta) for an
 all-reduce of S bytes, half that for reduce-scatter and all-gather; inside a node a measured
 hardware's per-collective fit (``Hardware.collectives``) replaces the link.
@@ -213,6 +217,11 @@ def predict(shape: ModelShape, plan: Plan, hw: Hardware) -> Prediction:
     """The predicted step of ``plan`` for ``shape`` on ``hw`` (see the module docstring)."""
     compute, tp, bubble, model_mb, hw_mb = _pipeline(shape, plan, hw)
     p2p = _p2p_seconds(shape, plan, hw)
+    sync = compute * hw.sync_loss  # ranks meeting through the step: each meeting waits
+    if plan.tp > 1:
+        tp += sync
+    elif plan.pp > 1:
+        p2p += sync
     opt_params = _stage_params(shape, plan) / (plan.dp if plan.zero_stage >= 1 else 1)
     breakdown = {
         "compute": compute,
