@@ -52,23 +52,29 @@ def test_two_ranks_fit_well():
 
 
 def _fit_collectives_task():
-    from shardwise.costmodel.calibrate import COLLECTIVES, fit_collectives, sample_collectives
+    from shardwise.costmodel import calibrate as cal
 
-    fits = fit_collectives(comm.world(), sizes=(256 << 10, 1 << 20, 4 << 20), iters=2)
-    assert set(fits) == set(COLLECTIVES)
+    fits = cal.fit_collectives(comm.world(), sizes=(256 << 10, 1 << 20, 4 << 20), iters=2)
+    assert set(fits) == set(cal.COLLECTIVES)
     # a size below equal_time_bytes is timed that many times more per turn
-    samples = sample_collectives(comm.world(), (256 << 10, 1 << 20), 2, ("all_gather",), 1 << 20)
+    world, sizes = comm.world(), (256 << 10, 1 << 20)
+    samples = cal.sample_collectives(world, sizes, 2, ("all_gather",), 1 << 20)
     assert {k: len(v) for k, v in samples.items()} == {
         ("all_gather", 256 << 10): 8, ("all_gather", 1 << 20): 2}  # fmt: skip
-    return {op: (c.alpha_s, c.beta_s_per_byte) for op, c in fits.items()}
+    loss = cal.measure_sync_loss(comm.world(), segments_s=(0.002, 0.005), reps=2, rounds=1)
+    with pytest.raises(ValueError, match="reps >= 1"):
+        cal.measure_sync_loss(comm.world(), reps=0)
+    return {op: (c.alpha_s, c.beta_s_per_byte) for op, c in fits.items()}, loss
 
 
 def test_collectives_are_fitted_where_they_run():
     # every rank times the same collectives and gets the same fit (the slowest rank's times)
     results = run_on_ranks(2, _fit_collectives_task, timeout_s=600)
     assert results[0] == results[1]
-    for alpha, beta in results[0].values():
+    fits, loss = results[0]
+    for alpha, beta in fits.values():
         assert alpha >= 0 and beta > 0
+    assert 0 <= loss < 1  # the share of compute lost meeting at blocking all_reduces
 
 
 def test_emulated_nodes_group_ranks_and_slow_the_inter_node_links():

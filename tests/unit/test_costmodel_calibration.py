@@ -131,3 +131,24 @@ def test_bad_stage_layers_are_refused():
         Plan(pp=2, stage_layers=(6,))
     with pytest.raises(ValueError, match=r"sum to 5, but the model has 6 layers"):
         predict(shape("anchor"), Plan(pp=2, stage_layers=(3, 2)), hardware("h100x8-ib"))
+
+
+def test_sync_loss_is_paid_where_ranks_meet_through_the_step():
+    m = shape("anchor")
+    links = (LinkCost(2e-4, 1e-9), LinkCost(2e-4, 1e-9))
+    base = measured(links, 8, 5e10, 1 << 40, 2e10, overlap=False)
+    lossy = measured(links, 8, 5e10, 1 << 40, 2e10, overlap=False, sync_loss=0.1)
+    tp = Plan(tp=2, micro_batch=4, precision="fp32")
+    pp = Plan(pp=2, micro_batches=4, precision="fp32")
+    both = Plan(tp=2, pp=2, micro_batches=4, precision="fp32")
+    for plan, term in ((tp, "tp"), (pp, "p2p"), (both, "tp")):
+        a, b = predict(m, plan, base).breakdown, predict(m, plan, lossy).breakdown
+        # the compute of the step (busiest pipeline rank) times the loss, counted once
+        assert b[term] - a[term] == pytest.approx(0.1 * a["compute"])
+        assert sum(b.values()) - sum(a.values()) == pytest.approx(0.1 * a["compute"])
+    dp = Plan(dp=2, micro_batch=2, precision="fp32")  # meets once a step: in the calibration
+    assert predict(m, dp, lossy).step_s == predict(m, dp, base).step_s
+    with pytest.raises(ValueError, match="sync_loss"):
+        measured(links, 8, 5e10, 1 << 40, 2e10, sync_loss=1.0)
+    with pytest.raises(ValueError, match="sync_loss"):
+        measured(links, 8, 5e10, 1 << 40, 2e10, sync_loss=-0.1)
