@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from shardwise.comm import Group, ops
+from shardwise.comm import Group, current_world, ops
 from shardwise.comm.schedules import GroupLinks, LinkCost, predict_seconds
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
@@ -61,10 +61,24 @@ def _weighted_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, flo
     return alpha, beta
 
 
+def _clock(dev: torch.device) -> float:
+    """Now, after the device's queued work (timings of GPU work need the synchronize)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter()
+
+
+def _slowest(seconds: float, group: Group, dev: torch.device) -> float:
+    """The largest of every rank's ``seconds`` (collective)."""
+    t = torch.tensor([seconds], dtype=torch.float64, device=dev)
+    ops.all_reduce(t, "max", group=group)
+    return float(t.item())
+
+
 def _once(op: str, group: Group, full: torch.Tensor, shard: torch.Tensor) -> float:
     """One collective after a barrier; the slowest rank's seconds."""
     ops.barrier(group=group)
-    t0 = time.perf_counter()
+    t0 = _clock(full.device)
     if op == "all_reduce":
         ops.all_reduce(full, "sum", group=group)
     elif op == "all_gather":  # into a buffer, as ZeRO gathers into its flat parameters
@@ -72,9 +86,7 @@ def _once(op: str, group: Group, full: torch.Tensor, shard: torch.Tensor) -> flo
     else:  # into a buffer, as ZeRO reduces into its gradient shard (a fresh 32 MiB+ buffer
         # would add the page faults of a new mapping to every call)
         ops.reduce_scatter(full, "sum", group=group, out=shard)
-    took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    ops.all_reduce(took, "max", group=group)
-    return float(took.item())
+    return _slowest(_clock(full.device) - t0, group, full.device)
 
 
 def timed_bytes(nbytes: int, n: int) -> int:
@@ -92,7 +104,8 @@ def sample_collectives(
 ) -> dict[tuple[str, int], list[float]]:
     """Every timed sample (the slowest rank's seconds) of each fp32 collective at each size,
     keyed ``(op, requested bytes)``, after one untimed turn. Sizes and collectives take turns,
-    so background load hits all alike; a size below ``equal_time_bytes`` is timed about
+    so background load hits all alike (tensors on the current world's device: CUDA on NCCL); a
+    size below ``equal_time_bytes`` is timed about
     ``equal_time_bytes / size`` times per turn (a small message's times spread wider).
     Collective: every rank of ``group`` calls it."""
     if iters < 1:
@@ -101,11 +114,11 @@ def sample_collectives(
         raise ValueError(f"sizes must be distinct byte counts > 0, got {list(sizes)}")
     for op in ops:
         ring_steps(op, 2)  # refuses an unknown op
-    n = group.size
+    n, dev = group.size, current_world.device()
     buffers = {}
     for nbytes in sizes:
         numel = timed_bytes(nbytes, n) // 4
-        buffers[nbytes] = (torch.ones(numel), torch.ones(numel // n))
+        buffers[nbytes] = (torch.ones(numel, device=dev), torch.ones(numel // n, device=dev))
     samples: dict[tuple[str, int], list[float]] = {(op, s): [] for s in sizes for op in ops}
     for it in range(iters + 1):
         for nbytes, (full, shard) in buffers.items():
@@ -168,12 +181,6 @@ def fit_schedule_link(
 SYNC_SEGMENTS_S = (0.02, 0.05, 0.1)
 
 
-def _slowest(seconds: float, group: Group) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    ops.all_reduce(t, "max", group=group)
-    return float(t.item())
-
-
 def measure_sync_loss(
     group: Group,
     segments_s: Sequence[float] = SYNC_SEGMENTS_S,
@@ -191,25 +198,26 @@ def measure_sync_loss(
     rank's times; the result is fitted through the origin over the lengths, at least 0."""
     if reps < 1 or rounds < 1 or not segments_s or min(segments_s) <= 0:
         raise ValueError("measure_sync_loss needs reps >= 1, rounds >= 1 and segments > 0 s")
-    probe = torch.randn(256, 256)
+    dev = current_world.device()
+    probe = torch.randn(256, 256, device=dev)
     probe @ probe
-    t0 = time.perf_counter()
+    t0 = _clock(dev)
     probe @ probe
-    rate = 2 * 256**3 / _slowest(time.perf_counter() - t0, group)  # the same on every rank
+    rate = 2 * 256**3 / _slowest(_clock(dev) - t0, group, dev)  # the same on every rank
     sides = [max(64, round((seg * rate / 2) ** (1 / 3))) for seg in segments_s]
-    mats = [(torch.randn(n, n), torch.randn(n, n)) for n in sides]
-    buf = torch.ones(max(1, nbytes // 4))
+    mats = [(torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)) for n in sides]
+    buf = torch.ones(max(1, nbytes // 4), device=dev)
     runs: list[dict[str, list[float]]] = [{"c": [], "a": [], "ca": []} for _ in sides]
 
     def timed(a: torch.Tensor | None, b: torch.Tensor | None, reduce: bool) -> float:
         ops.barrier(group=group)
-        t0 = time.perf_counter()
+        t0 = _clock(dev)
         for _ in range(reps):
             if a is not None and b is not None:
                 a @ b
             if reduce:
                 ops.all_reduce(buf, "sum", group=group)
-        return _slowest((time.perf_counter() - t0) / reps, group)
+        return _slowest((_clock(dev) - t0) / reps, group, dev)
 
     for it in range(rounds + 1):
         for (a, b), run in zip(mats, runs, strict=True):
