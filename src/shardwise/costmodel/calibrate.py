@@ -191,7 +191,8 @@ def measure_sync_loss(
     """``Hardware.sync_loss`` over ``group`` (collective): the share of the compute between two
     blocking all_reduces that the ranks lose meeting at them.
 
-    For each segment length (a matmul sized to take about that long), in turns: ``reps``
+    For each segment length (a square matmul sized to take about that long, at most 4096 wide;
+    the fit uses the lengths measured), in turns: ``reps``
     segments back to back (the ranks meet once, after them), ``reps`` all_reduces of
     ``nbytes`` back to back, and ``reps`` of segment-then-all_reduce. The loss at a length is
     (third - first - second) / first, per call, from the medians over ``rounds`` of the slowest
@@ -204,7 +205,7 @@ def measure_sync_loss(
     t0 = _clock(dev)
     probe @ probe
     rate = 2 * 256**3 / _slowest(_clock(dev) - t0, group, dev)  # the same on every rank
-    sides = [max(64, round((seg * rate / 2) ** (1 / 3))) for seg in segments_s]
+    sides = [min(4096, max(64, round((seg * rate / 2) ** (1 / 3)))) for seg in segments_s]
     mats = [(torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)) for n in sides]
     buf = torch.ones(max(1, nbytes // 4), device=dev)
     runs: list[dict[str, list[float]]] = [{"c": [], "a": [], "ca": []} for _ in sides]
