@@ -40,7 +40,7 @@ from spread import median_interval
 from shardwise import comm
 from shardwise.comm import emulate, schedules
 from shardwise.costmodel import ring_seconds
-from shardwise.costmodel.calibrate import fit_ring_step, fit_schedule_link
+from shardwise.costmodel.calibrate import fit_ring_step, fit_schedule_link, repeats_per_turn
 from shardwise.testing import RankPool
 from shardwise.topology import discover
 
@@ -70,12 +70,6 @@ def _tensor(mib: float) -> torch.Tensor:
 INTRA = "ring inside the nodes"  # the calibration measurement, timed in turns with the others
 
 
-def _repeats(mib: float, equal_time_mib: float) -> int:
-    """Blocks per turn for one size: as many as make its turn last about as long as one block
-    of ``equal_time_mib`` (a small message's median needs more samples: its spread is wider)."""
-    return max(1, round(equal_time_mib / mib)) if equal_time_mib > 0 else 1
-
-
 def _task(nodes: str, link: str, sizes_mib: list[float], iters: int,
           equal_time_mib: float) -> dict:  # fmt: skip
     os.environ[emulate.NODES_ENV] = nodes
@@ -93,7 +87,7 @@ def _task(nodes: str, link: str, sizes_mib: list[float], iters: int,
     times: dict[tuple[float, str], list[float]] = {(m, a): [] for m in sizes_mib for a in names}
     for it in range(iters + 1):  # sizes and algorithms take turns: background load hits all alike
         for mib, t in tensors.items():
-            for _ in range(_repeats(mib, equal_time_mib)):
+            for _ in range(repeats_per_turn(mib, equal_time_mib)):
                 for alg in names:
                     if alg == INTRA:
                         seconds = _once(t, "ring", node_links, node_group)

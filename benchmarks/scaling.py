@@ -2,7 +2,8 @@
 and pipeline parallel, each measurement beside the cost model's prediction.
 
     python benchmarks/scaling.py [--model anchor] [--ranks 1,2,4] [--systems dp,zero3,tp,pp]
-        [--micro-batch 2] [--steps 2] [--rounds 3] [--warmup 1] [--json out.json] [--png out.png]
+        [--micro-batch 2] [--steps 2] [--rounds 3] [--warmup 1] [--sync-segments-ms 20,50,100]
+        [--json out.json] [--png out.png]
 
 Weak scaling: every rank brings ``--micro-batch`` sequences, so the global batch at N ranks is
 N times the one-rank batch. dp and ZeRO-3 give each rank its own sequences; tp (tp=N) runs the
@@ -149,7 +150,7 @@ def busbw_rank(numel: int, iters: int) -> float:
     return 2 * (n - 1) / n * numel * 4 / statistics.median(times) / 1e9
 
 
-def links_rank() -> tuple:
+def links_rank(sync_segments_s: tuple[float, ...]) -> tuple:
     """(intra, inter, memory bandwidth, per-collective ring steps, sync loss) measured over the
     world."""
     from shardwise import comm
@@ -160,7 +161,7 @@ def links_rank() -> tuple:
     torch.set_num_threads(1)
     links = discover(comm.world(), reps=10).links()
     collectives = fit_collectives(comm.world())
-    sync = measure_sync_loss(comm.world())
+    sync = measure_sync_loss(comm.world(), sync_segments_s)
     return links.intra, links.inter, measure_memory_bandwidth(), collectives, sync
 
 
@@ -261,6 +262,8 @@ def main() -> int:
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per step")
     p.add_argument("--steps", type=int, default=2, help="timed steps per turn")
     p.add_argument("--rounds", type=int, default=3, help="turns of every run")
+    sync_help = "compute segments the sync loss is measured at (measure_sync_loss)"
+    p.add_argument("--sync-segments-ms", default="20,50,100", help=sync_help)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--json")
     p.add_argument("--png")
@@ -277,7 +280,8 @@ def main() -> int:
     one = runs[1, "dp"]
     t1 = statistics.median(one["times"])
     busy = {n: statistics.median(runs[n, "alone"]["times"]) for n in ranks if n > 1}
-    calib = {n: _pool(n, links_rank)[0] for n in ranks if n > 1}
+    segments = tuple(float(ms) / 1e3 for ms in args.sync_segments_ms.split(","))
+    calib = {n: _pool(n, links_rank, segments)[0] for n in ranks if n > 1}
     intra, inter, membw, _, _ = calib[min(calib)]
     base = predict(m, _plan("dp", 1, micro, args.model), shardwise.costmodel.measured(
         (intra, inter), 64, 1.0, 1 << 40, membw))  # fmt: skip

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
@@ -68,25 +69,36 @@ def _clock(dev: torch.device) -> float:
     return time.perf_counter()
 
 
-def _slowest(seconds: float, group: Group, dev: torch.device) -> float:
-    """The largest of every rank's ``seconds`` (collective)."""
-    t = torch.tensor([seconds], dtype=torch.float64, device=dev)
-    ops.all_reduce(t, "max", group=group)
-    return float(t.item())
+def _seconds_per_call(
+    group: Group, dev: torch.device, work: Callable[[], object], reps: int = 1
+) -> float:
+    """Seconds per call of ``work``, run ``reps`` times back to back after a barrier: the
+    slowest rank's (collective)."""
+    ops.barrier(group=group)
+    t0 = _clock(dev)
+    for _ in range(reps):
+        work()
+    took = torch.tensor([(_clock(dev) - t0) / reps], dtype=torch.float64, device=dev)
+    ops.all_reduce(took, "max", group=group)
+    return float(took.item())
 
 
 def _once(op: str, group: Group, full: torch.Tensor, shard: torch.Tensor) -> float:
     """One collective after a barrier; the slowest rank's seconds."""
-    ops.barrier(group=group)
-    t0 = _clock(full.device)
     if op == "all_reduce":
-        ops.all_reduce(full, "sum", group=group)
+        work = partial(ops.all_reduce, full, "sum", group=group)
     elif op == "all_gather":  # into a buffer, as ZeRO gathers into its flat parameters
-        ops.all_gather(shard, group=group, out=full)
+        work = partial(ops.all_gather, shard, group=group, out=full)
     else:  # into a buffer, as ZeRO reduces into its gradient shard (a fresh 32 MiB+ buffer
         # would add the page faults of a new mapping to every call)
-        ops.reduce_scatter(full, "sum", group=group, out=shard)
-    return _slowest(_clock(full.device) - t0, group, full.device)
+        work = partial(ops.reduce_scatter, full, "sum", group=group, out=shard)
+    return _seconds_per_call(group, full.device, work)
+
+
+def repeats_per_turn(nbytes: float, equal_time_bytes: float) -> int:
+    """How many times a message of ``nbytes`` is timed per turn so that its turn lasts about as
+    long as one of ``equal_time_bytes`` (0: once): a small message's times spread wider."""
+    return max(1, round(equal_time_bytes / nbytes)) if equal_time_bytes > 0 else 1
 
 
 def timed_bytes(nbytes: int, n: int) -> int:
@@ -122,8 +134,7 @@ def sample_collectives(
     samples: dict[tuple[str, int], list[float]] = {(op, s): [] for s in sizes for op in ops}
     for it in range(iters + 1):
         for nbytes, (full, shard) in buffers.items():
-            repeats = max(1, round(equal_time_bytes / nbytes)) if equal_time_bytes > 0 else 1
-            for _ in range(repeats):
+            for _ in range(repeats_per_turn(nbytes, equal_time_bytes)):
                 for op in ops:
                     seconds = _once(op, group, full, shard)
                     if it:
@@ -202,27 +213,26 @@ def measure_sync_loss(
     dev = current_world.device()
     probe = torch.randn(256, 256, device=dev)
     probe @ probe
-    t0 = _clock(dev)
-    probe @ probe
-    rate = 2 * 256**3 / _slowest(_clock(dev) - t0, group, dev)  # the same on every rank
+    rate = 2 * 256**3 / _seconds_per_call(group, dev, lambda: probe @ probe)  # same on all ranks
     sides = [min(4096, max(64, round((seg * rate / 2) ** (1 / 3)))) for seg in segments_s]
     mats = [(torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)) for n in sides]
     buf = torch.ones(max(1, nbytes // 4), device=dev)
     runs: list[dict[str, list[float]]] = [{"c": [], "a": [], "ca": []} for _ in sides]
 
-    def timed(a: torch.Tensor | None, b: torch.Tensor | None, reduce: bool) -> float:
-        ops.barrier(group=group)
-        t0 = _clock(dev)
-        for _ in range(reps):
-            if a is not None and b is not None:
-                a @ b
-            if reduce:
-                ops.all_reduce(buf, "sum", group=group)
-        return _slowest((_clock(dev) - t0) / reps, group, dev)
+    reduce = partial(ops.all_reduce, buf, "sum", group=group)
+
+    def segment(a: torch.Tensor, b: torch.Tensor, then_reduce: bool) -> None:
+        a @ b
+        if then_reduce:
+            reduce()
 
     for it in range(rounds + 1):
         for (a, b), run in zip(mats, runs, strict=True):
-            times = {"c": timed(a, b, False), "a": timed(None, None, True), "ca": timed(a, b, True)}
+            times = {
+                "c": _seconds_per_call(group, dev, partial(segment, a, b, False), reps),
+                "a": _seconds_per_call(group, dev, reduce, reps),
+                "ca": _seconds_per_call(group, dev, partial(segment, a, b, True), reps),
+            }
             if it:
                 for k, v in times.items():
                     run[k].append(v)
