@@ -16,7 +16,7 @@ comm layer's ring inside every node at once (the ranks sharing the cores as they
 algorithms) is timed: at the ``--calibrate-mib`` sizes it calibrates the model's link inside a
 node (``costmodel.calibrate.fit_schedule_link``; between CPU processes the link is half-duplex,
 ``LinkCost.duplex``); the link across nodes stays the one discovery measured. ``predicted`` is
-``shardwise.comm.schedules.predict_seconds`` from those links; the backend's own ``native``
+``shardwise.comm.allreduce_rounds.predict_seconds`` from those links; the backend's own ``native``
 (which the emulator does not delay) is priced as a ring with the ring step fitted to its own
 times at the calibration sizes (``fit_ring_step``). The rows fitted (those two at the
 calibration sizes) are marked ``cal``; every other row tests the model. The summary compares
@@ -38,7 +38,7 @@ from provenance import source_version
 from spread import median_interval
 
 from shardwise import comm
-from shardwise.comm import emulate, schedules
+from shardwise.comm import allreduce_rounds, emulate
 from shardwise.costmodel import ring_seconds
 from shardwise.costmodel.calibrate import fit_ring_step, fit_schedule_link, repeats_per_turn
 from shardwise.testing import RankPool
@@ -50,7 +50,9 @@ ALGS = ["native", "ring", "halving_doubling", "tree", "hierarchical", "auto"]
 BLOCK = 4  # back-to-back calls per timing, as nccl-tests times a block of iterations
 
 
-def _once(t: torch.Tensor, alg: str, links: schedules.GroupLinks, group: Any = None) -> float:
+def _once(
+    t: torch.Tensor, alg: str, links: allreduce_rounds.GroupLinks, group: Any = None
+) -> float:
     """``BLOCK`` all_reduces back to back after a barrier; the slowest rank's seconds per
     call (over the world)."""
     g = comm.world()
@@ -98,7 +100,7 @@ def _task(nodes: str, link: str, sizes_mib: list[float], iters: int,
     rows = []
     for (mib, alg), runs in times.items():
         t = tensors[mib]
-        chosen = schedules.choose(t.numel() * 4, 4, links) if alg == "auto" else alg
+        chosen = allreduce_rounds.choose(t.numel() * 4, 4, links) if alg == "auto" else alg
         lo, hi = median_interval(runs)
         rows.append({"mib": mib, "bytes": t.numel() * 4, "alg": alg, "chosen": chosen,
                      "s": statistics.median(runs), "lo": lo, "hi": hi, "n": len(runs)})  # fmt: skip
@@ -106,7 +108,7 @@ def _task(nodes: str, link: str, sizes_mib: list[float], iters: int,
             "node_size": len(members)}  # fmt: skip
 
 
-def _predict(out: dict, calib: list[float]) -> schedules.GroupLinks:
+def _predict(out: dict, calib: list[float]) -> allreduce_rounds.GroupLinks:
     """Set every row's prediction; return the links they come from: inside a node the link
     fitted to the ring inside the nodes at the calibration sizes (none: the discovered one)."""
     links, rows = out["links"], out["rows"]
@@ -114,7 +116,7 @@ def _predict(out: dict, calib: list[float]) -> schedules.GroupLinks:
     if len(intra) >= 2 and out["node_size"] > 1:
         fitted = fit_schedule_link("ring", out["node_size"], [r["bytes"] for r in intra],
                                    [r["s"] for r in intra], links.intra.duplex)  # fmt: skip
-        links = schedules.GroupLinks(links.nodes, fitted, links.inter)
+        links = allreduce_rounds.GroupLinks(links.nodes, fitted, links.inter)
     native = [r for r in rows if r["alg"] == "native" and r["mib"] in calib]
     step = links.intra
     if len(native) >= 2:  # gloo's own all_reduce, priced as a ring of its fitted step
@@ -124,10 +126,10 @@ def _predict(out: dict, calib: list[float]) -> schedules.GroupLinks:
         if r["alg"] == "native":
             r["pred"] = ring_seconds(step, r["bytes"], out["world"])
         elif r["alg"] == INTRA:
-            node = schedules.GroupLinks((0,) * out["node_size"], links.intra, links.intra)
-            r["pred"] = schedules.predict_seconds("ring", r["bytes"], 4, node)
+            node = allreduce_rounds.GroupLinks((0,) * out["node_size"], links.intra, links.intra)
+            r["pred"] = allreduce_rounds.predict_seconds("ring", r["bytes"], 4, node)
         else:
-            r["pred"] = schedules.predict_seconds(r["chosen"], r["bytes"], 4, links)
+            r["pred"] = allreduce_rounds.predict_seconds(r["chosen"], r["bytes"], 4, links)
     return links
 
 

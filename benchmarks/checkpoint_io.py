@@ -49,7 +49,7 @@ import torch
 import shardwise
 from shardwise import comm
 from shardwise.checkpoint import AsyncCheckpointWriter
-from shardwise.engine_checkpoint import load_engine, save_engine
+from shardwise.engine.checkpoint import load_engine, save_engine
 from shardwise.models import GPT, GPTConfig
 from shardwise.testing import RankPool
 from shardwise.zero.optimizer import state_bytes

@@ -52,7 +52,7 @@ def run_pipeline_rank(
 ) -> dict:
     import shardwise
     from shardwise import comm
-    from shardwise.pipeline import PipelineExecutor, PipelineModule
+    from shardwise.parallel.pipeline import PipelineExecutor, PipelineModule
 
     cfg = GPTConfig.named(model)
     torch.manual_seed(0)
@@ -122,7 +122,7 @@ def run_dp_rank(model: str, seqs: int, steps: int, warmup: int) -> dict:
 def _simulated_bubble(schedule: str, m: int, results: list[dict]) -> float:
     """The simulator's bubble for this schedule with the measured per-stage action times (the
     slower rank's means: the simulator takes one time per action kind)."""
-    from shardwise.pipeline import simulate
+    from shardwise.parallel.pipeline import simulate
 
     def t(kind: str) -> float:
         return max(r["action_s"].get(kind, 0.0) for r in results)

@@ -30,7 +30,7 @@ def main() -> int:
     import pipeline_cases as pc
 
     from shardwise.costmodel import Plan
-    from shardwise.pipeline import simulate
+    from shardwise.parallel.pipeline import simulate
     from shardwise.testing import RankPool
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -36,7 +36,7 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def run_rank(regather: bool, model_name: str, m: int, seqs: int, steps: int) -> dict:
     import shardwise
     from shardwise.models.gpt import GPT, GPTConfig
-    from shardwise.pipeline import PipelineModule
+    from shardwise.parallel.pipeline import PipelineModule
 
     torch.set_num_threads(1)
     cfg = GPTConfig.named(model_name)

@@ -59,8 +59,8 @@ def _build(system: str, model_name: str, n: int, micro: int) -> tuple[Any, int]:
     """(engine, sequences this rank feeds per step as a multiple of the micro-batch)."""
     import shardwise
     from shardwise.models.gpt import GPT, GPTConfig, tp_plan
-    from shardwise.pipeline import PipelineModule
-    from shardwise.tp import parallelize
+    from shardwise.parallel.pipeline import PipelineModule
+    from shardwise.parallel.tensor import parallelize
 
     cfg = GPTConfig.named(model_name)
     torch.manual_seed(0)
@@ -168,8 +168,8 @@ def links_rank(sync_segments_s: tuple[float, ...]) -> tuple:
 def _stage_layers(model_name: str, n: int) -> tuple[int, ...]:
     """Transformer blocks per stage of the pipeline ``_build`` forms (its default partition)."""
     from shardwise.models.gpt import GPT, GPTConfig
-    from shardwise.pipeline.partition import partition_layers
-    from shardwise.pipeline.stage import layer_parameter_counts
+    from shardwise.parallel.pipeline.partition import partition_layers
+    from shardwise.parallel.pipeline.stage import layer_parameter_counts
 
     entries = GPT(GPTConfig.named(model_name)).pipeline_layers()
     bounds = partition_layers(layer_parameter_counts(entries), n, "parameters")

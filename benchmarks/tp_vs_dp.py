@@ -59,8 +59,8 @@ def _batches(cfg: GPTConfig, seqs: int, steps: int) -> list[tuple[torch.Tensor, 
 def _build(system: str, cfg: GPTConfig) -> tuple[Any, Any, Any, int]:
     """(model or engine, optimizer or engine, TensorParallel or None, batch share or -1)."""
     import shardwise
-    from shardwise import tp as swtp
     from shardwise.mesh import Mesh
+    from shardwise.parallel import tensor as swtp
 
     torch.manual_seed(0)
     model = GPT(cfg)

@@ -29,8 +29,8 @@ from shardwise.comm.current_world import (
 )
 from shardwise.config import Config
 from shardwise.dist import DistInitError
-from shardwise.engine import Engine
-from shardwise.engine_init import initialize
+from shardwise.engine.core import Engine
+from shardwise.engine.initialize import initialize
 from shardwise.mesh import Mesh
 from shardwise.recompute import checkpoint, checkpoint_sequential
 from shardwise.seeding import seed_all

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise
-from shardwise.pipeline import LayerSpec, PipelineExecutor, PipelineModule, Tied
+from shardwise.parallel.pipeline import LayerSpec, PipelineExecutor, PipelineModule, Tied
 
 VOCAB, DIM, SEQ, SEED = 11, 8, 3, 1234
 

@@ -10,7 +10,7 @@ import torch
 
 import shardwise
 from shardwise import comm
-from shardwise.comm.schedules import GroupLinks, LinkCost
+from shardwise.comm.allreduce_rounds import GroupLinks, LinkCost
 from shardwise.testing import RankError, run_on_ranks
 
 FLAT = ["ring", "halving_doubling", "tree"]
@@ -129,7 +129,7 @@ def _auto_task() -> tuple[str, int, int]:
     w = shardwise.world_size()
     slow = GroupLinks(_nodes(w), LinkCost(1e-5, 1e-10), LinkCost(1e-3, 1e-7))
     t = torch.ones(1 << 16)
-    picked = comm.schedules.choose(t.numel() * 4, 4, slow)
+    picked = comm.allreduce_rounds.choose(t.numel() * 4, 4, slow)
     sent = []
     for alg in ("auto", picked):
         comm.comm_stats(reset=True)

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 import shardwise
-from shardwise import tp as swtp
+from shardwise.parallel import tensor as swtp
 from shardwise.checkpoint import CheckpointReader
 from shardwise.models.gpt import GPT, GPTConfig, pipeline_tp_plan
-from shardwise.pipeline import LayerStack, PipelineModule, Tied
+from shardwise.parallel.pipeline import LayerStack, PipelineModule, Tied
 from shardwise.testing import run_on_ranks
 
 # vocab 17: padded over tp; bias=False: the attention key bias has an exactly-zero gradient

@@ -11,7 +11,7 @@ import torch
 
 import shardwise
 from shardwise.checkpoint import CheckpointError, CheckpointReader
-from shardwise.pipeline import LayerStack, PipelineModule
+from shardwise.parallel.pipeline import LayerStack, PipelineModule
 from shardwise.testing import run_on_ranks
 
 N_BLOCKS = 2  # [embed][block][block][head]: one entry per stage at pp4

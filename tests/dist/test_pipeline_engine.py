@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import shardwise
-from shardwise.pipeline import PipelineModule
+from shardwise.parallel.pipeline import PipelineModule
 from shardwise.testing import run_on_ranks
 
 N_BLOCKS = 6

@@ -9,7 +9,7 @@ import pipeline_cases as pc
 import pytest
 import torch
 
-from shardwise.pipeline import SCHEDULES, build_schedule, schedule_from_compute, simulate
+from shardwise.parallel.pipeline import SCHEDULES, build_schedule, schedule_from_compute, simulate
 from shardwise.testing import RankError, RankPool, run_on_ranks
 
 N_BLOCKS = 6  # 8 layers: enough for pp=4 with 2 virtual stages

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import shardwise
 from shardwise.models.gpt import GPT, GPTConfig
-from shardwise.pipeline import PipelineExecutor, PipelineModule
+from shardwise.parallel.pipeline import PipelineExecutor, PipelineModule
 from shardwise.testing import run_on_ranks
 
 CFG = GPTConfig(vocab_size=17, seq_len=8, d_model=16, n_head=2, n_layer=3, dropout=0.0)

@@ -9,7 +9,7 @@ import torch
 from test_mixed_precision import TOLERANCE
 
 import shardwise
-from shardwise.pipeline import PipelineModule
+from shardwise.parallel.pipeline import PipelineModule
 from shardwise.testing import run_on_ranks
 
 N_BLOCKS = 2  # [embed | block] [block | head]: two stages of equal size

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import shardwise
-from shardwise.placement import Shard, mark_sharded, placement_of, unmark
+from shardwise.parallel.placement import Shard, mark_sharded, placement_of, unmark
 from shardwise.testing import run_on_ranks
 
 D_IN, HIDDEN, D_OUT, MICRO, STEPS, CLIP, LR = 8, 16, 4, 3, 3, 0.05, 0.1

@@ -9,7 +9,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from shardwise import tp as swtp
+from shardwise.parallel import tensor as swtp
 from shardwise.comm import comm_stats
 from shardwise.mesh import Mesh
 from shardwise.models.gpt import GPT, GPTConfig, tp_plan
@@ -463,7 +463,7 @@ def _lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def pipeline_stage_tp(n_blocks: int = 4, seed: int = 1234) -> float:
     """pp=2 x tp=2: each pipeline stage is tensor-parallel through the same ``parallelize``."""
-    from shardwise.pipeline import LayerSpec, PipelineExecutor, PipelineModule, Tied
+    from shardwise.parallel.pipeline import LayerSpec, PipelineExecutor, PipelineModule, Tied
 
     vocab, dim = 11, 8
     emb = LayerSpec(torch.nn.Embedding, vocab, dim)

@@ -8,10 +8,10 @@ import torch
 import tp_cases as tc
 
 import shardwise
-from shardwise import tp as swtp
+from shardwise.parallel import tensor as swtp
 from shardwise.mesh import Mesh
 from shardwise.models.gpt import GPT, tp_plan
-from shardwise.placement import shard_of_full
+from shardwise.parallel.placement import shard_of_full
 
 VOCAB = 37  # not divisible by tp: the embedding and head are padded
 

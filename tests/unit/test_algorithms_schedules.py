@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from shardwise.comm.schedules import GroupLinks, LinkCost, choose, predict_seconds, schedule
+from shardwise.comm.allreduce_rounds import GroupLinks, LinkCost, choose, predict_seconds, schedule
 
 
 def _play(alg: str, n: int, nodes: tuple[int, ...]) -> list[torch.Tensor]:

@@ -92,8 +92,8 @@ def _engine(**config: object) -> shardwise.Engine:
 
 def test_no_module_on_the_load_path_can_unpickle() -> None:
     modules = [*sorted((SRC / "checkpoint").glob("*.py"))]
-    modules += [SRC / f for f in ("engine_checkpoint.py", "engine_run_state.py")]
-    modules += [SRC / "engine_weights.py", SRC / "zero" / "checkpoint_entries.py"]
+    modules += [SRC / "engine" / f for f in ("checkpoint.py", "run_state.py", "weights.py")]
+    modules += [SRC / "zero" / "checkpoint_entries.py"]
     for path in modules:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):

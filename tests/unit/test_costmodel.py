@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shardwise.cli.main import main
-from shardwise.comm.schedules import GroupLinks, LinkCost, predict_seconds
+from shardwise.comm.allreduce_rounds import GroupLinks, LinkCost, predict_seconds
 from shardwise.costmodel import Plan, hardware, predict, ring_seconds, shape
 from shardwise.costmodel.published import FIGURES, comparison_table
 from shardwise.costmodel.search import rank_plans, scaling

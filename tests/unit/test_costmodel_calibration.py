@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.comm.schedules import GroupLinks, LinkCost, predict_seconds
+from shardwise.comm.allreduce_rounds import GroupLinks, LinkCost, predict_seconds
 from shardwise.costmodel import Plan, hardware, measured, predict, ring_seconds, shape
 from shardwise.costmodel.calibrate import fit_ring_step, fit_schedule_link, ring_steps
 from shardwise.topology.model import LinkFit, RankInfo, Topology

@@ -23,9 +23,9 @@ from shardwise.estimate import (
     parse_bytes,
 )
 from shardwise.models import GPT, GPTConfig
-from shardwise.pipeline import estimate as ppe
-from shardwise.pipeline.simulate import simulate
-from shardwise.tp import estimate as tpe
+from shardwise.parallel.pipeline import estimate as ppe
+from shardwise.parallel.pipeline.simulate import simulate
+from shardwise.parallel.tensor import estimate as tpe
 
 # (params, grads, optimizer) bytes per element and which of them a stage shards.
 _PER_ELEMENT = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}

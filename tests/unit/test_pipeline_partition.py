@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from shardwise.pipeline.partition import balanced_bounds, partition_layers
-from shardwise.pipeline.stage import LayerFn, LayerSpec, Tied
+from shardwise.parallel.pipeline.partition import balanced_bounds, partition_layers
+from shardwise.parallel.pipeline.stage import LayerFn, LayerSpec, Tied
 
 
 def test_parameters_partition_balances_counts() -> None:

@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from shardwise.pipeline import (
+from shardwise.parallel.pipeline import (
     Action,
     Kind,
     Schedule,
@@ -14,7 +14,7 @@ from shardwise.pipeline import (
     build_schedule,
     simulate,
 )
-from shardwise.pipeline.simulate import run_schedule
+from shardwise.parallel.pipeline.simulate import run_schedule
 
 P_MAX, V_MAX, M_MAX = 8, 4, 16
 

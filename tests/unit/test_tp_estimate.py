@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from shardwise.models.gpt import GPT, GPTConfig
-from shardwise.tp import estimate as tpe
-from shardwise.tp.placement import TPPlacement
+from shardwise.parallel.tensor import estimate as tpe
+from shardwise.parallel.tensor.placement import TPPlacement
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

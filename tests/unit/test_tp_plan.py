@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from shardwise.models.gpt import GPT, GPTConfig, pipeline_tp_plan, tp_plan
-from shardwise.pipeline import LayerStack
-from shardwise.tp import rng
-from shardwise.tp.placement import TPPlacement
-from shardwise.tp.plan import expand, resolve
+from shardwise.parallel.pipeline import LayerStack
+from shardwise.parallel.tensor import rng
+from shardwise.parallel.tensor.placement import TPPlacement
+from shardwise.parallel.tensor.plan import expand, resolve
 
 
 def test_brace_patterns_expand():

@@ -19,10 +19,10 @@ from shardwise.cli.main import main
 from shardwise.config import Config
 from shardwise.estimate import estimate_model_states, format_bytes
 from shardwise.models.gpt import GPT
+from shardwise.train.lr_schedule import lr_at
 from shardwise.train.metrics import MetricsWriter, read_metrics
 from shardwise.train.options import RunConfig, TrainOptions
 from shardwise.train.rundir import RunDir
-from shardwise.train.schedule import lr_at
 from shardwise.train.summary import build_summary, write_summary
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -76,6 +76,6 @@ def test_stage_policy():
 
 def test_config_pipeline_schedules_are_the_library_s():
     from shardwise.config import PIPELINE_SCHEDULES
-    from shardwise.pipeline import SCHEDULES
+    from shardwise.parallel.pipeline import SCHEDULES
 
     assert PIPELINE_SCHEDULES == SCHEDULES

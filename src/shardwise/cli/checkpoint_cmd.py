@@ -24,7 +24,7 @@ from shardwise.checkpoint import (
     verify_cli,
 )
 from shardwise.checkpoint.tools import export_consolidated
-from shardwise.engine_weights import describe
+from shardwise.engine.weights import describe
 
 
 def _inspect(args: argparse.Namespace) -> int:

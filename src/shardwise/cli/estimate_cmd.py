@@ -19,9 +19,9 @@ from shardwise.estimate import (
     parse_bytes,
 )
 from shardwise.models.gpt import MODEL_SIZES, GPTConfig
-from shardwise.pipeline import estimate as pp_estimate
-from shardwise.pipeline.schedule import SCHEDULES
-from shardwise.tp import estimate as tp_estimate
+from shardwise.parallel.pipeline import estimate as pp_estimate
+from shardwise.parallel.pipeline.schedule import SCHEDULES
+from shardwise.parallel.tensor import estimate as tp_estimate
 
 MAX_PARAMS = 10**15
 """Largest --params accepted (a thousand times the largest models trained)."""

@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "timeline, bubble fraction, peak in-flight activations; fails naming the ranks if the "
         "schedule deadlocks. Times are per micro-batch per stage (per chunk when interleaved).",
     )
-    from shardwise.pipeline.schedule import SCHEDULES
+    from shardwise.parallel.pipeline.schedule import SCHEDULES
 
     sim.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     sim.add_argument("--stages", type=int, required=True, help="pipeline ranks (pp)")
@@ -46,8 +46,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from shardwise.pipeline.simulate import simulate
-    from shardwise.pipeline.timeline import summary, text_timeline, write_png
+    from shardwise.parallel.pipeline.simulate import simulate
+    from shardwise.parallel.pipeline.timeline import summary, text_timeline, write_png
 
     res = simulate(
         args.schedule,

@@ -12,7 +12,7 @@ import torch
 
 from shardwise.data.corpus import check_corpus_fits, load_corpus
 from shardwise.estimate import estimate_activations, estimate_model_states, format_bytes
-from shardwise.pipeline.schedule import build_schedule
+from shardwise.parallel.pipeline.schedule import build_schedule
 from shardwise.train.options import RunConfig
 from shardwise.train.parallel import PIPELINE_LAYERS_AROUND_BLOCKS
 from shardwise.train.rundir import RunDir

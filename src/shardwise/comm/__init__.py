@@ -6,6 +6,7 @@ calls ``ops``, ``objects`` and ``mpi_split`` with an explicit group.
 
 from shardwise.comm.algorithms import ALGORITHMS
 from shardwise.comm.current_world import current, resolve
+from shardwise.comm.dispatch import Handle
 from shardwise.comm.facade import (
     GroupLike,
     all_gather,
@@ -27,7 +28,6 @@ from shardwise.comm.facade import (
     world,
 )
 from shardwise.comm.groups import Group, World
-from shardwise.comm.launch import Handle
 from shardwise.comm.ops import chunk_sizes
 from shardwise.comm.stats import CommStats
 from shardwise.comm.trace import CollectiveError, CollectiveTimeoutError, DesyncError

@@ -3,8 +3,8 @@
 ``all_reduce(t, op, group=..., algorithm=...)`` (``shardwise.comm.all_reduce`` with the group
 optional): ``"native"`` (the default)
 is the backend's own; ``"ring"``, ``"halving_doubling"``, ``"tree"`` and ``"hierarchical"`` run
-the schedules of ``shardwise.comm.schedules`` over ``send``/``recv``; ``"auto"`` picks the one
-with the least predicted time from the measured links (``links=``, e.g.
+the schedules of ``shardwise.comm.allreduce_rounds`` over ``send``/``recv``; ``"auto"`` picks
+the one with the least predicted time from the measured links (``links=``, e.g.
 ``shardwise.topology.discover(group).links(group)``) and the message size.
 
 Every rank ends with the same bits (each element is reduced on one rank, then copied), equal to
@@ -21,13 +21,13 @@ from typing import Any, Literal, overload
 
 import torch
 
-from shardwise.comm import emulate, ops, schedules
+from shardwise.comm import allreduce_rounds, emulate, ops
+from shardwise.comm.allreduce_rounds import GroupLinks, Transfer
+from shardwise.comm.dispatch import Handle, check_group, check_tensor, launch, nbytes
+from shardwise.comm.gloo_exchange import combine, finish_avg
 from shardwise.comm.groups import Group
-from shardwise.comm.launch import Handle, check_group, check_tensor, launch, nbytes
-from shardwise.comm.p2p import combine, finish_avg
-from shardwise.comm.schedules import GroupLinks, Transfer
 
-ALGORITHMS = ("native", *schedules.ALGORITHMS, "auto")
+ALGORITHMS = ("native", *allreduce_rounds.ALGORITHMS, "auto")
 
 
 @overload
@@ -105,11 +105,13 @@ def all_reduce(
                 "all_reduce: algorithm='auto' needs links= (the group's measured links, e.g. "
                 "shardwise.topology.discover(group).links(group))"
             )
-        algorithm = schedules.choose(nbytes(t), t.element_size(), links)
+        algorithm = allreduce_rounds.choose(nbytes(t), t.element_size(), links)
     flat = t.view(-1)
 
     def issue() -> list[object]:
-        run_schedule(flat, g, schedules.schedule(algorithm, flat.numel(), g.size, layout), op)
+        run_schedule(
+            flat, g, allreduce_rounds.schedule(algorithm, flat.numel(), g.size, layout), op
+        )
         return []
 
     return launch(
@@ -166,7 +168,9 @@ def _receive_buffer(like: torch.Tensor, numel: int) -> torch.Tensor:
     return buf[:numel]
 
 
-def run_schedule(flat: torch.Tensor, g: Group, rounds: Sequence[schedules.Round], op: str) -> None:
+def run_schedule(
+    flat: torch.Tensor, g: Group, rounds: Sequence[allreduce_rounds.Round], op: str
+) -> None:
     """Play this rank's part of ``rounds`` on ``flat`` (a contiguous 1-D tensor)."""
     me = g.rank
     need = max((x.hi - x.lo for r in rounds for x in r if x.dst == me and x.reduce), default=0)

@@ -4,7 +4,7 @@ the collective's algorithm.
 Nodes come from ``shardwise.comm.emulate.env_nodes`` (``SHARDWISE_EMULATE_NODES``, or
 torchrun's node-major layout); without them every rank counts as one node and nothing crosses.
 The counts are what this rank sends under the direct-exchange algorithms the gloo paths run
-(``shardwise.comm.p2p``), used as the model for the backend's own collectives too:
+(``shardwise.comm.gloo_exchange``), used as the model for the backend's own collectives too:
 
 - all_gather: this rank's chunk, once to every member on another node;
 - reduce_scatter: chunk ``j`` of the input to group rank ``j``, for each ``j`` on another node;

@@ -11,10 +11,10 @@ import torch
 from torch.distributed import ProcessGroup
 
 from shardwise.comm import algorithms, mpi_split, objects, ops
+from shardwise.comm.allreduce_rounds import GroupLinks
 from shardwise.comm.current_world import current, resolve
+from shardwise.comm.dispatch import Handle
 from shardwise.comm.groups import Group
-from shardwise.comm.launch import Handle
-from shardwise.comm.schedules import GroupLinks
 
 GroupLike = Group | ProcessGroup | None
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from shardwise.comm import objects, ops
+from shardwise.comm.dispatch import check_group
 from shardwise.comm.groups import Group
-from shardwise.comm.launch import check_group
 
 
 def split(

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm import ops
+from shardwise.comm.dispatch import check_group
 from shardwise.comm.groups import Group
-from shardwise.comm.launch import check_group
 
 
 def _object_tensor(obj: Any) -> torch.Tensor:

@@ -16,10 +16,10 @@ from typing import Any, Literal, overload
 import torch
 import torch.distributed as dist
 
-from shardwise.comm import crossing, emulate, p2p
+from shardwise.comm import crossing, emulate, gloo_exchange
+from shardwise.comm.dispatch import Handle, check_group, check_tensor, launch, nbytes
+from shardwise.comm.gloo_exchange import P2P_ALL_GATHER_MIN_BYTES, finish_avg
 from shardwise.comm.groups import Group
-from shardwise.comm.launch import Handle, check_group, check_tensor, launch, nbytes
-from shardwise.comm.p2p import P2P_ALL_GATHER_MIN_BYTES, finish_avg
 
 __all__ = [
     "P2P_ALL_GATHER_MIN_BYTES",
@@ -181,7 +181,7 @@ def all_gather(
     elif not out.is_contiguous():
         raise ValueError("all_gather: out is not contiguous")
     if g.size > 1 and dist.get_backend(g.pg) == "gloo" and nbytes(out) >= P2P_ALL_GATHER_MIN_BYTES:
-        return p2p.all_gather(g, src, out, async_op, t)
+        return gloo_exchange.all_gather(g, src, out, async_op, t)
     full = out
     target = torch.empty_like(full) if g.permuted else full
     if g.size > 1 and src.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
@@ -268,7 +268,7 @@ def reduce_scatter(
     ``torch.tensor_split``: sizes need not divide). ``out`` may alias this rank's own chunk
     of ``t`` (``t`` is then consumed).
 
-    On gloo the exchange is point-to-point (``p2p.reduce_scatter``).
+    On gloo the exchange is point-to-point (``gloo_exchange.reduce_scatter``).
     Communicates: reduce_scatter (payload: the unreduced input's bytes).
     """
     g = check_group(group, "reduce_scatter")
@@ -289,7 +289,7 @@ def reduce_scatter(
         )
     chunks = [src[offsets[i] : offsets[i] + sizes[i]] for i in range(g.size)]
     if g.size > 1 and dist.get_backend(g.pg) == "gloo":
-        return p2p.reduce_scatter(g, op, chunks, out, async_op, src)
+        return gloo_exchange.reduce_scatter(g, op, chunks, out, async_op, src)
     result = out
     even = len(set(sizes)) == 1 and not g.permuted
     staged, recv_buf = (src, result) if even else _staged_reduce_scatter(g, src, chunks, sizes)

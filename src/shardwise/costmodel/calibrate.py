@@ -16,7 +16,7 @@ from functools import partial
 import torch
 
 from shardwise.comm import Group, current_world, ops
-from shardwise.comm.schedules import GroupLinks, LinkCost, predict_seconds
+from shardwise.comm.allreduce_rounds import GroupLinks, LinkCost, predict_seconds
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 DEFAULT_SIZES = (1 << 20, 4 << 20, 16 << 20, 64 << 20)

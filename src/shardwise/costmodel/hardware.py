@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from shardwise.comm.schedules import LinkCost
+from shardwise.comm.allreduce_rounds import LinkCost
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.comm.schedules import LinkCost
+from shardwise.comm.allreduce_rounds import LinkCost
 from shardwise.costmodel.hardware import Hardware
 from shardwise.costmodel.plan import PRECISIONS, Plan
 from shardwise.costmodel.shapes import ModelShape

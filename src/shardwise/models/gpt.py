@@ -89,12 +89,12 @@ MODEL_SIZES: dict[str, GPTConfig] = {
 
 
 def tp_plan() -> dict[str, str]:
-    """Tensor-parallel plan for ``GPT`` (see ``shardwise.tp.parallelize``).
+    """Tensor-parallel plan for ``GPT`` (see ``shardwise.parallel.tensor.parallelize``).
 
     Attention is split by heads and the MLP by its hidden width (Megatron-LM); the token
     embedding and the tied output head by the vocabulary, so the loss runs on vocab-sharded
-    logits (``shardwise.tp.vocab_parallel_cross_entropy``) and full logits never exist. The
-    norms, the position embedding and dropout are ``sequence`` modules: under sequence
+    logits (``shardwise.parallel.tensor.vocab_parallel_cross_entropy``) and full logits never exist.
+    The norms, the position embedding and dropout are ``sequence`` modules: under sequence
     parallelism they run on 1/tp of the sequence. ``n_head`` must divide by tp.
     """
     return {
@@ -116,9 +116,10 @@ def pipeline_tp_plan(cfg: GPTConfig) -> dict[str, str]:
     """``tp_plan()`` for a ``PipelineModule`` over ``GPT(cfg).pipeline_layers()``, under its
     names: ``tied.tok_emb``, ``layers.1`` (positions), ``layers.{2..n_layer+1}`` (blocks),
     ``layers.{n_layer+2}`` (the final norm). Apply it per stage with
-    ``shardwise.tp.parallelize(pipe, mesh, pipeline_tp_plan(cfg))``: the tied head then
-    returns vocab-sharded logits, whose loss is ``shardwise.tp.vocab_parallel_cross_entropy``
-    over ``mesh.group("tp")`` with ``vocab_size=cfg.vocab_size``. Without sequence
+    ``shardwise.parallel.tensor.parallelize(pipe, mesh, pipeline_tp_plan(cfg))``: the tied head then
+    returns vocab-sharded logits, whose loss is
+    ``shardwise.parallel.tensor.vocab_parallel_cross_entropy`` over ``mesh.group("tp")`` with
+    ``vocab_size=cfg.vocab_size``. Without sequence
     parallelism (the positions layer reads the sequence length from its input)."""
     return {
         "tied.tok_emb": "vocab_embedding",
@@ -270,13 +271,14 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
     def pipeline_layers(self) -> list[object]:
-        """This model as a flat list of pipeline layers for ``shardwise.pipeline.PipelineModule``:
-        the token embedding, positions (+ dropout), the blocks, the final norm and the head. The
-        head and the token embedding are one ``Tied("tok_emb")`` entry, so the first and last
-        stage keep bitwise-equal copies. The stages output logits; the matching loss is
+        """This model as a flat list of pipeline layers for
+        ``shardwise.parallel.pipeline.PipelineModule``: the token embedding, positions (+
+        dropout), the blocks, the final norm and the head. The head and the token embedding are one
+        ``Tied("tok_emb")`` entry, so the first and last stage keep bitwise-equal copies. The stages
+        output logits; the matching loss is
         ``F.cross_entropy(logits.flatten(0, 1), targets.flatten())`` (tensor parallel: see
         ``pipeline_tp_plan``)."""
-        from shardwise.pipeline import LayerFn, Tied
+        from shardwise.parallel.pipeline import LayerFn, Tied
 
         def add_positions(layer: Any, x: torch.Tensor) -> torch.Tensor:  # a LayerFn
             pos = torch.arange(x.shape[1], device=x.device)

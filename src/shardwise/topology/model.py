@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardwise.comm.schedules import GroupLinks, LinkCost
+from shardwise.comm.allreduce_rounds import GroupLinks, LinkCost
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from shardwise.checkpoint import CheckpointError, CheckpointReader, save_safeten
 from shardwise.checkpoint.tools import read_consolidated
 from shardwise.comm import objects
 from shardwise.data.sampler import DistributedBatchSampler
-from shardwise.engine import Engine
+from shardwise.engine.core import Engine
 from shardwise.mesh import Mesh
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.train.parallel import BuiltModel, pipeline_names, state_aliases
@@ -31,7 +31,7 @@ def save(engine: Engine, sampler: DistributedBatchSampler) -> Path:
     into ``engine.config.checkpoint_dir``; call on every rank, after ``engine.step()``.
     With ``config.async_save`` it returns once the state is copied to host memory.
 
-    Communicates: see ``shardwise.engine_checkpoint.save_engine``.
+    Communicates: see ``shardwise.engine.checkpoint.save_engine``.
     """
     return engine.save(sampler=sampler)
 

@@ -18,16 +18,16 @@ import torch
 import shardwise
 from shardwise.comm import World, objects, ops
 from shardwise.data import DistributedBatchSampler, load_corpus
-from shardwise.engine import Engine
-from shardwise.engine_pipeline import PipelineEngine
+from shardwise.engine.core import Engine
+from shardwise.parallel.pipeline.engine import PipelineEngine
 from shardwise.train import checkpoints
+from shardwise.train.lr_schedule import lr_at
 from shardwise.train.metrics import MetricsWriter, read_metrics
 from shardwise.train.options import RunConfig
 from shardwise.train.parallel import build_mesh, build_model
 from shardwise.train.pipeline_metrics import local_times, pipeline_record
 from shardwise.train.progress import Progress, format_rate
 from shardwise.train.rundir import RunDir
-from shardwise.train.schedule import lr_at
 from shardwise.train.stop import StopRequest
 from shardwise.train.summary import build_summary, discard_summary, write_summary
 

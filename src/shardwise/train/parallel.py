@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise import tp as swtp
 from shardwise.comm import World
 from shardwise.mesh import Mesh
 from shardwise.models.gpt import GPT, tp_plan
-from shardwise.pipeline import LayerFn, LayerSpec, PipelineModule, Tied
+from shardwise.parallel import tensor as swtp
+from shardwise.parallel.pipeline import LayerFn, LayerSpec, PipelineModule, Tied
 from shardwise.seeding import seed_all
 from shardwise.train.options import RunConfig
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardwise.mesh import Mesh
-from shardwise.pipeline.executor import PipelineExecutor
+from shardwise.parallel.pipeline.executor import PipelineExecutor
 
 
 def local_times(executor: PipelineExecutor) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from shardwise.checkpoint.entries import (
 )
 from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.comm.groups import Group
-from shardwise.placement import Placement
+from shardwise.parallel.placement import Placement
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from shardwise.comm import algorithms, ops
-from shardwise.comm.schedules import GroupLinks
+from shardwise.comm.allreduce_rounds import GroupLinks
 from shardwise.zero.flat_param import FlatParam
 from shardwise.zero.partition import ParamSlot
 

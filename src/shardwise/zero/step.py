@@ -19,7 +19,7 @@ import torch
 
 from shardwise.comm import ops
 from shardwise.comm.groups import Group
-from shardwise.placement import NormReduction
+from shardwise.parallel.placement import NormReduction
 from shardwise.precision import DynamicLossScaler
 from shardwise.zero.flat_param import FlatParam
 

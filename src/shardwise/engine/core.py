@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise import param_access
 from shardwise.comm.groups import Group
 from shardwise.config import Config
-from shardwise.engine_build import (
+from shardwise.engine import param_access
+from shardwise.engine.build import (
     SchedulerFactory,
     backward_args,
     broadcast_buffers,
@@ -35,10 +35,10 @@ from shardwise.engine_build import (
     resolve_group,
     resolve_replicate,
 )
-from shardwise.engine_checkpoint import EngineCheckpoints
-from shardwise.engine_memory import memory_report
+from shardwise.engine.checkpoint import EngineCheckpoints
+from shardwise.engine.memory import memory_report
 from shardwise.mesh import Mesh
-from shardwise.placement import NormReduction, Placement, placement_of
+from shardwise.parallel.placement import NormReduction, Placement, placement_of
 from shardwise.precision import DynamicLossScaler, resolve_precision
 from shardwise.topology import discover
 from shardwise.zero import optimizer as zero_opt
@@ -278,7 +278,7 @@ class Engine:
         param_access.load_full_state_dict(self.module, self._where, state, self.device)
 
     def memory(self) -> dict[str, int]:
-        """Bytes this rank holds now: see ``engine_memory.memory_report``."""
+        """Bytes this rank holds now: see ``shardwise.engine.memory.memory_report``."""
         return memory_report(
             self.module,
             self.flats,
@@ -301,7 +301,7 @@ class Engine:
         with param_access.gathered_parameters(self.flats, params, modifier_rank):
             yield
 
-    # ---- checkpoints (see shardwise.engine_checkpoint) ----
+    # ---- checkpoints (see shardwise.engine.checkpoint) ----
 
     _ckpt: EngineCheckpoints | None = None
 
@@ -330,7 +330,7 @@ class Engine:
         background thread while training goes on (the first async save forms the writer's
         process group: every rank must make it together); ``wait_for_checkpoint()`` blocks
         until it is committed. Returns the checkpoint's path. Communicates: see
-        ``shardwise.engine_checkpoint.save_engine``.
+        ``shardwise.engine.checkpoint.save_engine``.
         """
         return self.checkpoints.save(path, sampler=sampler, extra=extra)
 
@@ -345,7 +345,7 @@ class Engine:
         written it); call on every rank. ``path``: ``"latest"`` (newest committed in
         ``config.checkpoint_dir``), a checkpoint root, or a ``step-N`` directory. Verifies every
         file first and raises ``CheckpointError`` naming a damaged one. Returns the trainer
-        state. Communicates: see ``shardwise.engine_checkpoint.load_engine``."""
+        state. Communicates: see ``shardwise.engine.checkpoint.load_engine``."""
         return self.checkpoints.load(path, sampler=sampler)
 
     def resume(self, *, sampler: Any = None) -> dict[str, Any] | None:
@@ -353,7 +353,7 @@ class Engine:
         that verifies, skipping damaged ones with a warning that names each and why and setting
         them aside (``damaged-step-N``); no checkpoint: log it and start fresh. ``"never"``: do
         nothing. Call on every rank before training. Returns the trainer state, or None when
-        nothing was loaded. Communicates: see ``shardwise.engine_checkpoint.resume_engine``."""
+        nothing was loaded. Communicates: see ``shardwise.engine.checkpoint.resume_engine``."""
         return self.checkpoints.resume(sampler=sampler)
 
     def wait_for_checkpoint(self) -> Path | None:

@@ -19,11 +19,11 @@ import torch
 from shardwise.comm import ops
 from shardwise.comm.groups import Group
 from shardwise.config import Config
-from shardwise.engine import Engine, SchedulerFactory
+from shardwise.engine.core import Engine, SchedulerFactory
 from shardwise.mesh import Mesh
-from shardwise.pipeline.executor import PipelineExecutor
-from shardwise.pipeline.stage import PipelineModule
-from shardwise.placement import Placement
+from shardwise.parallel.pipeline.executor import PipelineExecutor
+from shardwise.parallel.pipeline.stage import PipelineModule
+from shardwise.parallel.placement import Placement
 from shardwise.zero import optimizer as zero_opt
 
 SUPPORTED_STAGES = (0, 1, 2, 3)

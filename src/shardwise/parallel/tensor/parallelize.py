@@ -17,18 +17,18 @@ from torch import nn
 
 from shardwise.comm.objects import all_gather_object
 from shardwise.mesh import Mesh
-from shardwise.pipeline.stage import PipelineModule
-from shardwise.placement import mark_sharded
-from shardwise.tp import mappings, rng, state
-from shardwise.tp.entry import SequenceEntries, gather_on_entry
-from shardwise.tp.layers import (
+from shardwise.parallel.pipeline.stage import PipelineModule
+from shardwise.parallel.placement import mark_sharded
+from shardwise.parallel.tensor import mappings, rng, state
+from shardwise.parallel.tensor.entry import SequenceEntries, gather_on_entry
+from shardwise.parallel.tensor.layers import (
     ColumnParallelLinear,
     Region,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from shardwise.tp.placement import TPPlacement
-from shardwise.tp.plan import PLACE_STYLES, resolve, unmatched_error
+from shardwise.parallel.tensor.placement import TPPlacement
+from shardwise.parallel.tensor.plan import PLACE_STYLES, resolve, unmatched_error
 
 
 class TensorParallel:

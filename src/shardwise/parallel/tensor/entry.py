@@ -20,8 +20,8 @@ from typing import Any
 from torch import nn
 
 from shardwise.comm.groups import Group
-from shardwise.tp import mappings
-from shardwise.tp.layers import Region
+from shardwise.parallel.tensor import mappings
+from shardwise.parallel.tensor.layers import Region
 
 
 class SequenceEntries:

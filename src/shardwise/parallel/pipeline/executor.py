@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from shardwise.comm import ops
-from shardwise.pipeline.p2p import Channel
-from shardwise.pipeline.schedule import Action, Kind, Schedule, build_schedule
-from shardwise.pipeline.simulate import run_schedule
-from shardwise.pipeline.stage import PipelineModule
+from shardwise.parallel.pipeline.channel import Channel
+from shardwise.parallel.pipeline.schedule import Action, Kind, Schedule, build_schedule
+from shardwise.parallel.pipeline.simulate import run_schedule
+from shardwise.parallel.pipeline.stage import PipelineModule
 
 Key = tuple[int, int]  # (stage, micro-batch)
 

@@ -27,7 +27,7 @@ from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.comm.groups import Group
 from shardwise.config import Config
 from shardwise.mesh import Mesh
-from shardwise.placement import Placement
+from shardwise.parallel.placement import Placement
 from shardwise.precision import DynamicLossScaler
 from shardwise.seeding import seed_all
 from shardwise.zero.checkpoint_entries import ModelNames, ScalarStates

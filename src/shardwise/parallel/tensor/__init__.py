@@ -1,23 +1,23 @@
 """Tensor and sequence parallelism over a mesh's ``tp`` axis (Megatron-LM style).
 
-    tp = shardwise.tp.parallelize(model, mesh, shardwise.models.gpt.tp_plan(),
+    tp = shardwise.parallel.tensor.parallelize(model, mesh, shardwise.models.gpt.tp_plan(),
                                   sequence_parallel=True)
     loss = model(x, y); loss.backward(); optimizer.step()
 
 Parallel layers are explicit autograd functions over ``shardwise.comm``: every byte is counted.
 """
 
-from shardwise.tp import plans, rng
-from shardwise.tp.cross_entropy import vocab_parallel_cross_entropy
-from shardwise.tp.layers import (
+from shardwise.parallel.tensor import plans, rng
+from shardwise.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from shardwise.parallel.tensor.layers import (
     ColumnParallelLinear,
     Region,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from shardwise.tp.parallelize import TensorParallel, parallelize
-from shardwise.tp.placement import TPPlacement
-from shardwise.tp.plan import STYLES
+from shardwise.parallel.tensor.parallelize import TensorParallel, parallelize
+from shardwise.parallel.tensor.placement import TPPlacement
+from shardwise.parallel.tensor.plan import STYLES
 
 __all__ = [
     "STYLES",

@@ -4,7 +4,7 @@ A parallel layer that shards a parameter (tensor parallelism splits a Linear's w
 mesh's tp axis) says so once, from outside the model::
 
     shard = nn.Parameter(full.chunk(tp_size, dim=0)[tp_rank].clone())
-    shardwise.placement.mark_sharded(shard, mesh.group("tp"), dim=0)
+    shardwise.parallel.placement.mark_sharded(shard, mesh.group("tp"), dim=0)
 
 The record lives in a table of our own keyed by the parameter object (weakly: it goes away with
 the parameter), never as an attribute on the ``nn.Parameter``. The engine reads it at

@@ -7,7 +7,7 @@ from __future__ import annotations
 from shardwise import dist as sw_dist
 from shardwise.comm import objects
 from shardwise.comm.groups import Group
-from shardwise.engine_run_state import CheckpointableEngine
+from shardwise.engine.run_state import CheckpointableEngine
 from shardwise.zero.checkpoint_entries import ModelNames, ScalarStates, expected_entries
 from shardwise.zero.param_layout import ParamLayout
 

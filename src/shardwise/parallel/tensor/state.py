@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from shardwise.comm.groups import Group
-from shardwise.tp import mappings
-from shardwise.tp.placement import TPPlacement
+from shardwise.parallel.tensor import mappings
+from shardwise.parallel.tensor.placement import TPPlacement
 
 
 def full_state_dict(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardwise.pipeline.schedule import Kind
-from shardwise.pipeline.simulate import Number, SimResult
+from shardwise.parallel.pipeline.schedule import Kind
+from shardwise.parallel.pipeline.simulate import Number, SimResult
 
 MAX_CELLS = 160
 COLORS = {Kind.F: "#4c78a8", Kind.B: "#e45756", Kind.I: "#f58518", Kind.W: "#54a24b"}

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.comm.groups import Group
-from shardwise.tp import mappings
+from shardwise.parallel.tensor import mappings
 
 
 class Regather:

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from shardwise.checkpoint.layout import CheckpointError
 from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.checkpoint.tools import read_consolidated
-from shardwise.engine_run_state import ENGINE_FORMAT, CheckpointableEngine
+from shardwise.engine.run_state import ENGINE_FORMAT, CheckpointableEngine
 from shardwise.zero.checkpoint_entries import ModelNames
 
 log = logging.getLogger("shardwise.checkpoint")

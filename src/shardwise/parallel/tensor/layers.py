@@ -18,9 +18,9 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardwise.comm.groups import Group
-from shardwise.tp import mappings
-from shardwise.tp.cross_entropy import vocab_parallel_cross_entropy
-from shardwise.tp.sequence import Regather, shard_saving_linear
+from shardwise.parallel.tensor import mappings
+from shardwise.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from shardwise.parallel.tensor.sequence import Regather, shard_saving_linear
 
 
 class Region:

@@ -15,7 +15,13 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from shardwise.pipeline.stage import Entry, build_entry, check_entries, first_indices, run_entries
+from shardwise.parallel.pipeline.stage import (
+    Entry,
+    build_entry,
+    check_entries,
+    first_indices,
+    run_entries,
+)
 
 
 class LayerStack(nn.Module):

@@ -20,8 +20,8 @@ that save together are the engine's whole mesh (or its dp group), which must be 
 states are restored only at the same world size (rank r gets rank r's); otherwise every rank is
 re-seeded.
 Resuming skips damaged newer checkpoints and sets them aside (``damaged-step-N``), and rebuilds a
-lost journal from the manifests. Trainer and rank state: ``engine_run_state``; full weights
-(export, ``load_pretrained``): ``engine_weights``.
+lost journal from the manifests. Trainer and rank state: ``shardwise.engine.run_state``; full
+weights (export, ``load_pretrained``): ``shardwise.engine.weights``.
 """
 
 from __future__ import annotations
@@ -46,8 +46,7 @@ from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.checkpoint.retention import prepare_resume
 from shardwise.checkpoint.writer import save_checkpoint
 from shardwise.comm import objects
-from shardwise.engine_checkpoint_ranks import gather_scalars, save_group, whole_model_entries
-from shardwise.engine_run_state import (
+from shardwise.engine.run_state import (
     ENGINE_FORMAT,
     READABLE_ENGINE_VERSIONS,
     CheckpointableEngine,
@@ -57,7 +56,8 @@ from shardwise.engine_run_state import (
     restore_trainer,
     trainer_state,
 )
-from shardwise.engine_weights import load_pretrained
+from shardwise.engine.save_group import gather_scalars, save_group, whole_model_entries
+from shardwise.engine.weights import load_pretrained
 from shardwise.zero.checkpoint_entries import (
     ModelNames,
     check_model_matches,

@@ -9,10 +9,10 @@ from torch import nn
 
 from shardwise.comm.groups import Group
 from shardwise.config import Config
-from shardwise.engine import Engine, SchedulerFactory
-from shardwise.engine_pipeline import PipelineEngine, check_pipeline_config
+from shardwise.engine.core import Engine, SchedulerFactory
 from shardwise.mesh import Mesh
-from shardwise.pipeline.stage import PipelineModule
+from shardwise.parallel.pipeline.engine import PipelineEngine, check_pipeline_config
+from shardwise.parallel.pipeline.stage import PipelineModule
 from shardwise.recompute import apply_activation_checkpointing
 from shardwise.zero import optimizer as zero_opt
 
@@ -33,7 +33,7 @@ def initialize(
 
     Parallelisms apply from outside the model in one order: pipeline split, tensor parallel
     (both done by the caller before this, marking split parameters with
-    ``shardwise.placement.mark_sharded``), recompute (``config.activation_checkpointing``,
+    ``shardwise.parallel.placement.mark_sharded``), recompute (``config.activation_checkpointing``,
     applied here by ``shardwise.recompute.apply_activation_checkpointing``), ZeRO (the Engine).
 
     Args:
@@ -44,7 +44,7 @@ def initialize(
             and parameter groups are kept) or a callable ``params -> optimizer``.
         config: a ``Config`` or a dict of its keys.
         group: a ``Group`` (data parallel over it) or a ``Mesh`` (required for a
-            ``shardwise.pipeline.PipelineModule``, which returns a ``PipelineEngine`` with
+            ``shardwise.parallel.pipeline.PipelineModule``, which returns a ``PipelineEngine`` with
             ``train_batch`` / ``eval_batch``; ZeRO 0-3, fp32, bf16 or fp16).
         lr_scheduler: a callable ``optimizer -> scheduler``, stepped with the optimizer.
 

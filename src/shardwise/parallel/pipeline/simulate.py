@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from shardwise.pipeline.schedule import Action, Kind, Schedule, build_schedule
+from shardwise.parallel.pipeline.schedule import Action, Kind, Schedule, build_schedule
 
 Number = Any  # int, float or Fraction: the simulator only adds and compares times
 

@@ -17,7 +17,7 @@ from torch import nn
 from shardwise import comm
 from shardwise.comm import ops
 from shardwise.mesh import Mesh
-from shardwise.pipeline.partition import partition_layers
+from shardwise.parallel.pipeline.partition import partition_layers
 
 
 class LayerSpec:
@@ -319,7 +319,7 @@ class PipelineModule(nn.Module):
         """One stage's layers (called by ``forward_stage``, which checks ``stage``)."""
         if stage is None:
             raise RuntimeError(
-                "a PipelineModule runs through a schedule: use shardwise.pipeline."
+                "a PipelineModule runs through a schedule: use shardwise.parallel.pipeline."
                 "PipelineExecutor (or forward_stage for one stage)"
             )
         indices = range(self.bounds[stage], self.bounds[stage + 1])

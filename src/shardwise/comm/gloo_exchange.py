@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm import crossing
+from shardwise.comm.dispatch import Handle, launch, nbytes
 from shardwise.comm.groups import Group
-from shardwise.comm.launch import Handle, launch, nbytes
 
 P2P_TAG = 0x5357  # gloo slots for point-to-point collectives (apart from user send/recv)
 P2P_ALL_GATHER_MIN_BYTES = 4 << 20  # below this, gloo's own all_gather is as fast

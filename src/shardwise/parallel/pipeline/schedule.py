@@ -7,8 +7,8 @@ stages (send/recv of an activation or of a gradient). Stages are numbered global
 ``0 .. num_stages - 1`` with ``num_stages = pp_size * virtual_stages``; stage ``s`` lives on rank
 ``s % pp_size`` (Narayanan et al. 2021, section 2.2: rank r holds chunks r, r + p, r + 2p, ...).
 
-The same lists feed the simulator (``shardwise.pipeline.simulate``) and the executor, so what the
-simulator proves (no deadlock, every action once) is what runs.
+The same lists feed the simulator (``shardwise.parallel.pipeline.simulate``) and the executor, so
+what the simulator proves (no deadlock, every action once) is what runs.
 
 Messages between a pair of ranks are matched in order (the transport's FIFO per direction), so
 receives are placed in each channel's send order, each as late as that order allows.

@@ -1,7 +1,7 @@
 """Pipeline parallelism: schedules as data, a simulator on them, stages and an executor."""
 
-from shardwise.pipeline.executor import PipelineExecutor
-from shardwise.pipeline.schedule import (
+from shardwise.parallel.pipeline.executor import PipelineExecutor
+from shardwise.parallel.pipeline.schedule import (
     SCHEDULES,
     Action,
     Kind,
@@ -9,9 +9,9 @@ from shardwise.pipeline.schedule import (
     build_schedule,
     schedule_from_compute,
 )
-from shardwise.pipeline.simulate import ScheduleError, SimResult, simulate
-from shardwise.pipeline.stack import LayerStack
-from shardwise.pipeline.stage import LayerFn, LayerSpec, PipelineModule, Tied
+from shardwise.parallel.pipeline.simulate import ScheduleError, SimResult, simulate
+from shardwise.parallel.pipeline.stack import LayerStack
+from shardwise.parallel.pipeline.stage import LayerFn, LayerSpec, PipelineModule, Tied
 
 __all__ = [
     "SCHEDULES",

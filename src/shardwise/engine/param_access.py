@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardwise.comm import ops
-from shardwise.placement import gather_full, placement_of, shard_of_full
+from shardwise.parallel.placement import gather_full, placement_of, shard_of_full
 from shardwise.zero.flat_param import FlatParam, ParamState
 from shardwise.zero.partition import ParamSlot
 

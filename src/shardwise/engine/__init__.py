@@ -1,0 +1,12 @@
+"""The training engine: ZeRO sharding, precision, the optimizer over shards, checkpoints.
+
+``Engine`` composes them (``core``); ``build`` makes its parts, ``run_state`` and
+``checkpoint`` save and load it, ``weights`` moves full weights in and out, ``memory`` reports
+what it holds, ``param_access`` reads and writes whole parameters behind the shards.
+``initialize`` picks the engine for a model (a ``PipelineModule`` gets the pipeline engine).
+"""
+
+from shardwise.engine.core import Engine, SchedulerFactory
+from shardwise.engine.initialize import initialize
+
+__all__ = ["Engine", "SchedulerFactory", "initialize"]
