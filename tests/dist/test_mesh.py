@@ -39,6 +39,7 @@ def _mesh_task(dp, tp, pp):
     r = shardwise.rank()
     c = mesh.coords
     assert r == (c["pp"] * dp + c["dp"]) * tp + c["tp"]
+    assert r == mesh.rank_of(c) and mesh.coords_of(r) == c
     out = {}
     for axes in (("dp",), ("tp",), ("pp",), ("dp", "tp"), ("pp", "dp", "tp")):
         g = mesh.group(*axes)
@@ -50,14 +51,14 @@ def _mesh_task(dp, tp, pp):
 def test_mesh_layout_and_groups():
     results = run_on_ranks(4, _mesh_task, 2, 2, 1)
     for r, (c, groups) in enumerate(results):
-        assert c == {"pp": 0, "dp": r // 2, "tp": r % 2}
+        assert c == {"pp": 0, "dp_replicate": 0, "dp_shard": r // 2, "cp": 0, "tp": r % 2, "dp": r // 2}
         assert groups["tp"] == [r - r % 2, r - r % 2 + 1]  # tp peers are neighbours
         assert groups["dp"] == [r % 2, r % 2 + 2]
         assert groups["pp"] == [r]
         assert groups["dp+tp"] == [0, 1, 2, 3]
     results = run_on_ranks(4, _mesh_task, 1, 2, 2)
     for r, (c, groups) in enumerate(results):
-        assert c == {"pp": r // 2, "dp": 0, "tp": r % 2}
+        assert c == {"pp": r // 2, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": r % 2, "dp": 0}
         assert groups["pp"] == [r % 2, r % 2 + 2]
 
 
@@ -68,3 +69,30 @@ def test_mesh_rejects_bad_sizes():
         shardwise.Mesh(dp=0, world_size=4)
     with pytest.raises(ValueError, match="not divisible"):
         shardwise.Mesh(dp=-1, tp=3, world_size=4)
+
+
+def _generic_axes_task():
+    from shardwise.mesh import Axis
+
+    mesh = shardwise.Mesh(dp=2, cp=2, tp=2)  # 8 ranks: dp outermost, then cp, tp innermost
+    r = shardwise.rank()
+    out = {}
+    for axes in ((Axis.CP,), (Axis.CP, Axis.TP), ("dp", "cp"), (Axis.DP_SHARD,), (Axis.PP,)):
+        g = mesh.group(*axes)
+        out["+".join(axes)] = shardwise.all_gather(torch.tensor([r]), group=g).tolist()
+    assert mesh.rank_of(cp=1 - mesh.rank("cp")) == r + (2 if mesh.rank("cp") == 0 else -2)
+    with pytest.raises(ValueError, match="unknown mesh axis 'ep'; allowed: pp, dp_replicate"):
+        mesh.group("ep")
+    return mesh.coords, out
+
+
+def test_a_new_axis_is_generic():
+    """cp sits between dp and tp: its peers are tp_size apart, and every combination of axes
+    has its group."""
+    for r, (c, groups) in enumerate(run_on_ranks(8, _generic_axes_task)):
+        assert (c["dp"], c["cp"], c["tp"]) == (r // 4, r // 2 % 2, r % 2)
+        assert groups["cp"] == [r - r % 4 + r % 2, r - r % 4 + r % 2 + 2]
+        assert groups["cp+tp"] == [r - r % 4 + i for i in range(4)]
+        assert groups["dp+cp"] == [r % 2 + 2 * i for i in range(4)]
+        assert groups["dp_shard"] == [r % 4, r % 4 + 4]
+        assert groups["pp"] == [r]

@@ -15,7 +15,7 @@ from shardwise import comm
 from shardwise.comm import objects, ops
 from shardwise.comm.groups import Group
 from shardwise.config import Config
-from shardwise.mesh import Mesh
+from shardwise.mesh import Axis, Mesh
 from shardwise.zero import optimizer as zero_opt
 from shardwise.zero.flat_param import Dtypes, FlatParam
 from shardwise.zero.param_schedule import ParamSchedule
@@ -29,7 +29,7 @@ def resolve_group(group: Group | Mesh | None) -> Group:
     """The data-parallel group ZeRO shards over: a Mesh's dp axis (its shard groups under
     hierarchical sharding, ``Mesh(dp_replicate=, dp_shard=)``), a Group, or the world."""
     if isinstance(group, Mesh):
-        return group.group("dp_shard")
+        return group.group(Axis.DP_SHARD)
     return comm.resolve(group)
 
 
@@ -37,14 +37,14 @@ def resolve_replicate(group: Group | Mesh | None) -> Group | None:
     """The group holding copies of this rank's shards (a Mesh's ``dp_replicate`` part), or
     None when ZeRO shards over the whole dp axis."""
     if isinstance(group, Mesh) and group.dp_replicate_size > 1:
-        return group.group("dp_replicate")
+        return group.group(Axis.DP_REPLICATE)
     return None
 
 
 def resolve_dp(group: Group | Mesh | None) -> Group:
     """Every data-parallel rank (the shard groups and their replicas together)."""
     if isinstance(group, Mesh):
-        return group.group("dp")
+        return group.group(Axis.DP)
     return comm.resolve(group)
 
 

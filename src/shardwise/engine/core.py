@@ -37,7 +37,7 @@ from shardwise.engine.build import (
 )
 from shardwise.engine.checkpoint import EngineCheckpoints
 from shardwise.engine.memory import memory_report
-from shardwise.mesh import Mesh
+from shardwise.mesh import Axis, Mesh
 from shardwise.parallel.placement import NormReduction, Placement, placement_of
 from shardwise.precision import DynamicLossScaler, resolve_precision
 from shardwise.topology import discover
@@ -124,7 +124,7 @@ class Engine:
         """Every pipeline stage holds its own layers: with a mesh, the norm also sums over pp."""
         extra: tuple[Group, ...] = ()
         if self.mesh is not None and self.mesh.pp_size > 1:
-            extra = (self.mesh.group("pp"),)
+            extra = (self.mesh.group(Axis.PP),)
         trainable = [p for p in model.parameters() if p.requires_grad]
         return NormReduction(trainable, self.group, extra, self._counted_elsewhere(model))
 
@@ -154,7 +154,7 @@ class Engine:
         if self.replicate is not None:  # every replica holds this rank's shard
             copies.append(self.replicate)
         if self.mesh is not None and self.mesh.tp_size > 1:
-            tp = self.mesh.group("tp")
+            tp = self.mesh.group(Axis.TP)
             if not marked.is_sharded_over(tp):
                 copies.append(tp)
         zero = self.group if self.stage.shard_optimizer else None
@@ -163,7 +163,7 @@ class Engine:
     def writes_buffer(self, name: str) -> bool:
         """Whether this rank writes buffer ``name`` (a state-dict key) to a checkpoint: one
         holder of its copies, the first rank of the dp group (and of tp in a mesh)."""
-        return self.dp_group.rank == 0 and (self.mesh is None or self.mesh.rank("tp") == 0)
+        return self.dp_group.rank == 0 and (self.mesh is None or self.mesh.rank(Axis.TP) == 0)
 
     # ---- training ----
 

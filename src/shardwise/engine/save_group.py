@@ -8,6 +8,7 @@ from shardwise import dist as sw_dist
 from shardwise.comm import objects
 from shardwise.comm.groups import Group
 from shardwise.engine.run_state import CheckpointableEngine
+from shardwise.mesh import AXIS_ORDER, Axis
 from shardwise.zero.checkpoint_entries import ModelNames, ScalarStates, expected_entries
 from shardwise.zero.param_layout import ParamLayout
 
@@ -17,7 +18,7 @@ def save_group(engine: CheckpointableEngine) -> Group:
     (pp x dp x tp), or its data-parallel group. Raises ValueError unless that is the world in
     rank order."""
     mesh = engine.mesh
-    group = engine.group if mesh is None else mesh.group("pp", "dp", "tp")
+    group = engine.group if mesh is None else mesh.group(*AXIS_ORDER)
     world = sw_dist.world_size()
     if tuple(group.ranks) != tuple(range(world)):
         raise ValueError(
@@ -50,6 +51,6 @@ def whole_model_entries(
     if engine.mesh is None or engine.mesh.pp_size == 1:
         return mine
     merged: dict[str, tuple[int, ...]] = {}
-    for stage in objects.all_gather_object(mine, group=engine.mesh.group("pp")):
+    for stage in objects.all_gather_object(mine, group=engine.mesh.group(Axis.PP)):
         merged.update(stage)
     return merged

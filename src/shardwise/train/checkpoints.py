@@ -19,7 +19,7 @@ from shardwise.checkpoint.tools import read_consolidated
 from shardwise.comm import objects
 from shardwise.data.sampler import DistributedBatchSampler
 from shardwise.engine.core import Engine
-from shardwise.mesh import Mesh
+from shardwise.mesh import Axis, Mesh
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.train.parallel import BuiltModel, pipeline_names, state_aliases
 
@@ -64,7 +64,7 @@ def save_final_model(
     state = engine.state_dict()
     if built.pipeline:
         mine = {built.gpt_names[name]: t for name, t in state.items()}
-        state = built.gpt_state(objects.all_gather_object(mine, group=mesh.group("pp")))
+        state = built.gpt_state(objects.all_gather_object(mine, group=mesh.group(Axis.PP)))
     if not is_writer:
         return
     # tied weights (the head's and the token embedding's) come back as one tensor under two

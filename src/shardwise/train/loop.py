@@ -19,6 +19,7 @@ import shardwise
 from shardwise.comm import World, objects, ops
 from shardwise.data import DistributedBatchSampler, load_corpus
 from shardwise.engine.core import Engine
+from shardwise.mesh import Axis
 from shardwise.parallel.pipeline.engine import PipelineEngine
 from shardwise.train import checkpoints
 from shardwise.train.lr_schedule import lr_at
@@ -68,7 +69,7 @@ class Trainer:
             )
         self.mesh = build_mesh(run, world)
         # data: each dp rank reads its own slice of a batch; its tp (and pp) peers the same
-        self.dp = self.mesh.group("dp")
+        self.dp = self.mesh.group(Axis.DP)
         self.started = time.perf_counter()
         if resume and self.rank == 0:  # if this launch fails, no summary says the run ended
             discard_summary(run_dir.summary)

@@ -39,7 +39,7 @@ def pipeline_record(parts: list[dict[str, Any]], mesh: Mesh) -> dict[str, Any]:
     stages: list[dict[str, Any]] = []
     busy_s = wall_s = 0.0
     for pp_rank in range(mesh.pp_size):
-        own = parts[mesh.rank_of(pp_rank, 0, 0)]["pipeline"]
+        own = parts[mesh.rank_of(pp=pp_rank, dp=0, cp=0, tp=0)]["pipeline"]
         stages += [{**s, "pp_rank": pp_rank} for s in own["stages"]]
         busy_s += own["busy_s"]
         wall_s += own["wall_s"]

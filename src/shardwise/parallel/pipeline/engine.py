@@ -20,7 +20,7 @@ from shardwise.comm import ops
 from shardwise.comm.groups import Group
 from shardwise.config import Config
 from shardwise.engine.core import Engine, SchedulerFactory
-from shardwise.mesh import Mesh
+from shardwise.mesh import AXIS_ORDER, Mesh
 from shardwise.parallel.pipeline.executor import PipelineExecutor
 from shardwise.parallel.pipeline.stage import PipelineModule
 from shardwise.parallel.placement import Placement
@@ -93,7 +93,7 @@ class PipelineEngine(Engine):
 
     def _overflow_group(self) -> Group | None:
         """Every rank of the mesh steps together: all of them agree on fp16 overflow."""
-        return self.mesh.group("pp", "dp", "tp") if self.mesh is not None else None
+        return self.mesh.group(*AXIS_ORDER) if self.mesh is not None else None
 
     def placement(self, param: torch.Tensor) -> Placement:
         """As ``Engine.placement``; a tied parameter is also replicated over the pp ranks

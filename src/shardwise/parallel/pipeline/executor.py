@@ -119,7 +119,7 @@ class PipelineExecutor:
         self.after_backward: Callable[[], None] | None = None
         # the times of recent steps (training and evaluation), until ``take_step_times``
         self._recent: deque[StepTimes] = deque(maxlen=1024)
-        self._peer = {r: pipe.mesh.rank_of(r, *self._dp_tp()) for r in range(pipe.pp_size)}
+        self._peer = {r: pipe.mesh.rank_of(pp=r) for r in range(pipe.pp_size)}
 
     def take_step_times(self) -> list[StepTimes]:
         """The times of the steps run since the last call (at most 1024), oldest first; an
@@ -127,10 +127,6 @@ class PipelineExecutor:
         out = list(self._recent)
         self._recent.clear()
         return out
-
-    def _dp_tp(self) -> tuple[int, int]:
-        c = self.pipe.mesh.coords
-        return c["dp"], c["tp"]
 
     def _split(self, t: torch.Tensor, what: str) -> list[torch.Tensor]:
         m = self.schedule.microbatches

@@ -16,7 +16,7 @@ from torch import nn
 
 from shardwise import comm
 from shardwise.comm import ops
-from shardwise.mesh import Mesh
+from shardwise.mesh import Axis, Mesh
 from shardwise.parallel.pipeline.partition import partition_layers
 
 
@@ -203,8 +203,8 @@ class PipelineModule(nn.Module):
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable: loss_fn(output, target) -> loss")
         self.mesh, self.loss_fn, self.virtual_stages = mesh, loss_fn, virtual_stages
-        self.pp_size, self.pp_rank = mesh.pp_size, mesh.rank("pp")
-        self.pp_group = mesh.group("pp")
+        self.pp_size, self.pp_rank = mesh.pp_size, mesh.rank(Axis.PP)
+        self.pp_group = mesh.group(Axis.PP)
         self.num_stages = self.pp_size * virtual_stages
         self.bounds = partition_layers(layer_parameter_counts(entries), self.num_stages, partition)
         self.stage_ids = list(range(self.pp_rank, self.num_stages, self.pp_size))
@@ -233,17 +233,16 @@ class PipelineModule(nn.Module):
     def _form_tied_groups(self) -> dict[str, comm.Group]:
         """Every rank forms every tied group (torch's rule), in the same order."""
         mine: dict[str, comm.Group] = {}
-        me = self.mesh.coords
+        me = self.mesh.world.rank
         for key in sorted(self._tied_first):
             holders = self.tied_holders(key)
             if len(holders) < 2:
                 continue
-            for dp in range(self.mesh.dp_size):
-                for tp in range(self.mesh.tp_size):
-                    ranks = [self.mesh.rank_of(pp, dp, tp) for pp in holders]
-                    g = self.mesh.world.new_group(ranks, name=f"tied-{key}", stats=self.mesh.stats)
-                    if (dp, tp) == (me["dp"], me["tp"]) and self.pp_rank in holders:
-                        mine[key] = g
+            for stages in self.mesh.partition(Axis.PP):  # one per coordinate off the pp axis
+                ranks = [stages[pp] for pp in holders]
+                g = self.mesh.world.new_group(ranks, name=f"tied-{key}", stats=self.mesh.stats)
+                if me in ranks:
+                    mine[key] = g
         return mine
 
     def _broadcast_tied(self) -> None:

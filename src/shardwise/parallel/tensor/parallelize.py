@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from shardwise.comm.objects import all_gather_object
-from shardwise.mesh import Mesh
+from shardwise.mesh import Axis, Mesh
 from shardwise.parallel.pipeline.stage import PipelineModule
 from shardwise.parallel.placement import mark_sharded
 from shardwise.parallel.tensor import mappings, rng, state
@@ -38,8 +38,8 @@ class TensorParallel:
     def __init__(self, model: nn.Module, mesh: Mesh, sequence_parallel: bool) -> None:
         self.model = model
         self.mesh = mesh
-        self.group = mesh.group("tp")
-        self.tp_size, self.tp_rank = mesh.tp_size, mesh.rank("tp")
+        self.group = mesh.group(Axis.TP)
+        self.tp_size, self.tp_rank = mesh.tp_size, mesh.rank(Axis.TP)
         self.sequence_parallel = sequence_parallel
         self.region = Region(self.group, sequence_parallel)
         self.entries: SequenceEntries | None = None  # the plan's sequence_entry modules, under SP
@@ -245,7 +245,7 @@ def _resolve(model: nn.Module, mesh: Mesh, plan: Mapping[str, str]) -> dict[str,
         return resolve(model, plan)
     unmatched: list[str] = []
     styles = resolve(model, plan, unmatched)
-    per_stage = all_gather_object(unmatched, group=mesh.group("pp"))
+    per_stage = all_gather_object(unmatched, group=mesh.group(Axis.PP))
     for pattern in plan:
         if all(pattern in stage for stage in per_stage):
             raise unmatched_error(pattern, plan[pattern], model)
