@@ -7,7 +7,7 @@ data parallelism (dp=2, shardwise ZeRO-0) on the same global batch.
 
 The problem is the anchor one (shared/ANCHORS.md): GPT "anchor", 8 sequences per step in all,
 AdamW(lr 1e-3, betas (0.9, 0.95), weight decay 0.1), fp32, gloo, one thread per rank. The GPT
-is split with ``GPT.pipeline_layers()`` (token embedding and head tied across the two stages),
+is split with ``pipeline_layers(GPT)`` (token embedding and head tied across the two stages),
 partitioned by parameter count (by layer count for interleaved, which needs 4 chunks).
 
 Per system: the slowest rank's median step time; the measured bubble (idle over compute time
@@ -33,6 +33,7 @@ from tp_vs_dp import OPTIM, MiB
 from tp_vs_dp import _batches as batches
 
 from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.parallel.plans.gpt import pipeline_layers
 
 
 def gpt_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -59,7 +60,7 @@ def run_pipeline_rank(
     v = 2 if schedule == "interleaved_1f1b" else 1
     mesh = shardwise.Mesh(pp=2, dp=1)
     partition = "uniform" if v > 1 else "parameters"
-    pipe = PipelineModule(GPT(cfg).pipeline_layers(), gpt_loss, mesh, partition, virtual_stages=v)
+    pipe = PipelineModule(pipeline_layers(GPT(cfg)), gpt_loss, mesh, partition, virtual_stages=v)
     run = PipelineExecutor(pipe, schedule, microbatches=m)
     opt = torch.optim.AdamW(pipe.parameters(), **OPTIM)
     world = comm.world()

@@ -37,12 +37,13 @@ def run_rank(regather: bool, model_name: str, m: int, seqs: int, steps: int) -> 
     import shardwise
     from shardwise.models.gpt import GPT, GPTConfig
     from shardwise.parallel.pipeline import PipelineModule
+    from shardwise.parallel.plans.gpt import pipeline_layers
 
     torch.set_num_threads(1)
     cfg = GPTConfig.named(model_name)
     mesh = shardwise.Mesh(dp=2, pp=2)
     torch.manual_seed(0)
-    pipe = PipelineModule(GPT(cfg).pipeline_layers(), _loss, mesh, "parameters")
+    pipe = PipelineModule(pipeline_layers(GPT(cfg)), _loss, mesh, "parameters")
     config = shardwise.Config(
         zero_stage=3,
         pipeline_schedule="1f1b",

@@ -58,8 +58,9 @@ def _gpt_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def _build(system: str, model_name: str, n: int, micro: int) -> tuple[Any, int]:
     """(engine, sequences this rank feeds per step as a multiple of the micro-batch)."""
     import shardwise
-    from shardwise.models.gpt import GPT, GPTConfig, tp_plan
+    from shardwise.models.gpt import GPT, GPTConfig
     from shardwise.parallel.pipeline import PipelineModule
+    from shardwise.parallel.plans.gpt import pipeline_layers, tp_plan
     from shardwise.parallel.tensor import parallelize
 
     cfg = GPTConfig.named(model_name)
@@ -77,11 +78,12 @@ def _build(system: str, model_name: str, n: int, micro: int) -> tuple[Any, int]:
         return shardwise.initialize(model, opt, shardwise.Config(zero_stage=zero)), 1
     if system == "tp":
         mesh = shardwise.Mesh(dp=1, tp=n)
-        parallelize(model, mesh, tp_plan())
+        where = parallelize(model, mesh, tp_plan()).placements
         opt = torch.optim.AdamW(model.parameters(), **OPTIM)
-        return shardwise.initialize(model, opt, shardwise.Config(), group=mesh), n
+        cfg = shardwise.Config()
+        return shardwise.initialize(model, opt, cfg, group=mesh, placements=where), n
     mesh = shardwise.Mesh(dp=1, pp=n)
-    pipe = PipelineModule(model.pipeline_layers(), _gpt_loss, mesh, "parameters")
+    pipe = PipelineModule(pipeline_layers(model), _gpt_loss, mesh, "parameters")
     opt = torch.optim.AdamW(pipe.parameters(), **OPTIM)
     # one sequence per micro-batch: n * micro of them
     config = shardwise.Config(pipeline_schedule="1f1b", pipeline_microbatches=n * micro)
@@ -170,8 +172,9 @@ def _stage_layers(model_name: str, n: int) -> tuple[int, ...]:
     from shardwise.models.gpt import GPT, GPTConfig
     from shardwise.parallel.pipeline.partition import partition_layers
     from shardwise.parallel.pipeline.stage import layer_parameter_counts
+    from shardwise.parallel.plans.gpt import pipeline_layers
 
-    entries = GPT(GPTConfig.named(model_name)).pipeline_layers()
+    entries = pipeline_layers(GPT(GPTConfig.named(model_name)))
     bounds = partition_layers(layer_parameter_counts(entries), n, "parameters")
     blocks = [i for i, e in enumerate(entries) if type(e).__name__ == "Block"]
     return tuple(sum(lo <= i < hi for i in blocks) for lo, hi in itertools.pairwise(bounds))

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from provenance import source_version
 
-from shardwise.models.gpt import GPT, GPTConfig, tp_plan
+from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.parallel.plans.gpt import tp_plan
 
 SYSTEMS = {
     "dp2": "data parallel, shardwise ZeRO-0, dp=2",

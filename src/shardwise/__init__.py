@@ -1,5 +1,23 @@
-"""shardwise: ZeRO-sharded, fault-tolerant distributed training for PyTorch models."""
+"""shardwise: ZeRO-sharded, fault-tolerant distributed training for PyTorch models.
 
+``import shardwise`` makes every public subpackage available: ``comm``, ``costmodel``,
+``data``, ``engine``, ``models``, ``parallel`` (``parallel.tensor``, ``parallel.pipeline``,
+``parallel.plans``), ``recompute``, ``topology``, ``zero`` (the checkpoint format lives in
+``shardwise.checkpoint_format``; ``shardwise.checkpoint`` is activation checkpointing).
+"""
+
+from shardwise import checkpoint as checkpoint_format
+from shardwise import (
+    comm,
+    costmodel,
+    data,
+    engine,
+    models,
+    parallel,
+    recompute,
+    topology,
+    zero,
+)
 from shardwise.comm import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -29,9 +47,9 @@ from shardwise.comm.current_world import (
 )
 from shardwise.config import Config
 from shardwise.dist import DistInitError
-from shardwise.engine.core import Engine
-from shardwise.engine.initialize import initialize
-from shardwise.mesh import Mesh
+from shardwise.engine import Engine, initialize
+from shardwise.mesh import Axis, Mesh
+from shardwise.parallel import Parallelized, ParallelPlan, PipelineSplit, parallelize
 from shardwise.recompute import checkpoint, checkpoint_sequential
 from shardwise.seeding import seed_all
 from shardwise.zero.wrap import ZeroOptimizer, zero_wrap
@@ -39,6 +57,7 @@ from shardwise.zero.wrap import ZeroOptimizer, zero_wrap
 __version__ = "0.1.0"
 
 __all__ = [
+    "Axis",
     "CollectiveError",
     "CollectiveTimeoutError",
     "Config",
@@ -47,6 +66,9 @@ __all__ = [
     "Engine",
     "Group",
     "Mesh",
+    "ParallelPlan",
+    "Parallelized",
+    "PipelineSplit",
     "World",
     "ZeroOptimizer",
     "__version__",
@@ -57,20 +79,31 @@ __all__ = [
     "barrier",
     "broadcast",
     "checkpoint",
+    "checkpoint_format",
     "checkpoint_sequential",
+    "comm",
     "comm_stats",
+    "costmodel",
+    "data",
     "device",
+    "engine",
     "init",
     "initialize",
     "local_rank",
+    "models",
     "new_group",
+    "parallel",
+    "parallelize",
     "rank",
+    "recompute",
     "recv",
     "reduce_scatter",
     "seed_all",
     "send",
     "shutdown",
     "split",
+    "topology",
     "world_size",
+    "zero",
     "zero_wrap",
 ]

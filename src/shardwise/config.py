@@ -103,8 +103,9 @@ class Config:
     """A PipelineModule's schedule: gpipe, 1f1b, interleaved_1f1b or zb_h1."""
     pipeline_microbatches: int = 1
     """A PipelineModule: micro-batches per accumulation step of ``train_batch``."""
-    pipeline_virtual_stages: int = 1
-    """A PipelineModule: stages per pp rank (more than 1 for interleaved_1f1b)."""
+    pipeline_virtual_stages: int | None = None
+    """A PipelineModule: stages per pp rank (more than 1 for interleaved_1f1b); None: the
+    PipelineModule's own (``virtual_stages``, where it is stated once)."""
     pipeline_zero3_regather: bool = False
     """A PipelineModule at ZeRO-3: all_gather a stage's parameters once per step and keep them
     until the step ends (False), or for each micro-batch's forward and again for its backward,

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 import shardwise
 from shardwise.parallel import tensor as swtp
 from shardwise.checkpoint import CheckpointReader
-from shardwise.models.gpt import GPT, GPTConfig, pipeline_tp_plan
+from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.parallel.plans.gpt import pipeline_layers, pipeline_tp_plan
 from shardwise.parallel.pipeline import LayerStack, PipelineModule, Tied
 from shardwise.testing import run_on_ranks
 
@@ -45,7 +46,7 @@ def _pipe_names(model: GPT) -> dict[str, str]:
     """The GPT's parameter names -> the pipeline's (``layers.{i}.*``, ``tied.tok_emb.*``)."""
     gpt_name = {id(p): n for n, p in model.named_parameters()}
     out = {}
-    for i, entry in enumerate(model.pipeline_layers()):
+    for i, entry in enumerate(pipeline_layers(model)):
         prefix, module = (
             (f"tied.{entry.key}", entry.source)
             if isinstance(entry, Tied)
@@ -86,30 +87,28 @@ def _engine(
     mesh: shardwise.Mesh, zero_stage: int, schedule: str = "1f1b", virtual_stages: int = 1
 ) -> shardwise.Engine:
     pipe = PipelineModule(
-        _gpt().pipeline_layers(), _loss(mesh), mesh, virtual_stages=virtual_stages
+        pipeline_layers(_gpt()), _loss(mesh), mesh, virtual_stages=virtual_stages
     )
     tp = swtp.parallelize(pipe, mesh, pipeline_tp_plan(CFG))
     if mesh.tp_size > 1:
-        assert any(p.sharded for p in tp.placements.values()), "this stage is tensor-parallel"
+        assert any(p.shards for p in tp.placements.values()), "this stage is tensor-parallel"
     cfg = shardwise.Config(
         zero_stage=zero_stage,
         gradient_clipping=CLIP,
         pipeline_schedule=schedule,
         pipeline_microbatches=2,
-        pipeline_virtual_stages=virtual_stages,
     )
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
-    return shardwise.initialize(pipe, opt, cfg, group=mesh)
+    return shardwise.initialize(pipe, opt, cfg, group=mesh, placements=tp.placements)
 
 
 def _flat_tp_engine(mesh: shardwise.Mesh) -> shardwise.Engine:
     """pp1: a plain engine over the ``LayerStack``, tensor-parallel by the same plan."""
-    stack = LayerStack(_gpt().pipeline_layers(), _loss(mesh))
-    swtp.parallelize(stack, mesh, pipeline_tp_plan(CFG))
+    stack = LayerStack(pipeline_layers(_gpt()), _loss(mesh))
+    tp = swtp.parallelize(stack, mesh, pipeline_tp_plan(CFG))
     cfg = shardwise.Config(zero_stage=2, gradient_clipping=CLIP)
-    return shardwise.initialize(
-        stack, torch.optim.AdamW(stack.parameters(), lr=LR), cfg, group=mesh
-    )
+    opt = torch.optim.AdamW(stack.parameters(), lr=LR)
+    return shardwise.initialize(stack, opt, cfg, group=mesh, placements=tp.placements)
 
 
 def _flat_steps(mesh: shardwise.Mesh, engine: shardwise.Engine, steps: range) -> dict:
@@ -136,7 +135,7 @@ def _interleaved() -> dict:
 
 def _unmatched_refusal() -> str:
     mesh = shardwise.Mesh(dp=1, tp=2, pp=2)
-    pipe = PipelineModule(_gpt().pipeline_layers(), _loss(mesh), mesh)
+    pipe = PipelineModule(pipeline_layers(_gpt()), _loss(mesh), mesh)
     try:
         swtp.parallelize(pipe, mesh, {**pipeline_tp_plan(CFG), "layers.*.mlp.nothing": "colwise"})
     except ValueError as exc:
@@ -199,7 +198,7 @@ def _tp2_pp2_save(root: str, again: str) -> dict:
 
 def _continue_in_one_process(root: str) -> dict:
     """pp1 x tp1: a plain engine over the ``LayerStack`` of the same layers."""
-    stack = LayerStack(_gpt().pipeline_layers(), gpt_loss)
+    stack = LayerStack(pipeline_layers(_gpt()), gpt_loss)
     cfg = shardwise.Config(gradient_clipping=CLIP)
     engine = shardwise.initialize(stack, torch.optim.AdamW(stack.parameters(), lr=LR), cfg)
     engine.load(root)
@@ -277,7 +276,7 @@ def test_gpt_tp2_pp2_checkpoint_continues_in_one_process(tmp_path: Path) -> None
 
 def _sequence_parallel_refused() -> str:
     mesh = shardwise.Mesh(dp=1, tp=2, pp=1)
-    stack = LayerStack(_gpt().pipeline_layers(), _loss(mesh))
+    stack = LayerStack(pipeline_layers(_gpt()), _loss(mesh))
     swtp.parallelize(stack, mesh, pipeline_tp_plan(CFG), sequence_parallel=True)
     try:
         stack(*_batch(0))

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import shardwise
 from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.parallel.plans.gpt import pipeline_layers
 from shardwise.parallel.pipeline import PipelineExecutor, PipelineModule
 from shardwise.testing import run_on_ranks
 
@@ -43,7 +44,7 @@ def _train_task(schedule: str, m: int) -> dict:
     torch.manual_seed(0)
     model = GPT(CFG)
     mesh = shardwise.Mesh(pp=shardwise.world_size(), dp=1)
-    pipe = PipelineModule(model.pipeline_layers(), gpt_loss, mesh, partition="parameters")
+    pipe = PipelineModule(pipeline_layers(model), gpt_loss, mesh, partition="parameters")
     run = PipelineExecutor(pipe, schedule, microbatches=m)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     losses = []

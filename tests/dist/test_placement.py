@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 import shardwise
-from shardwise.parallel.placement import Shard, mark_sharded, placement_of, unmark
+from shardwise.mesh import Axis
+from shardwise.parallel.placement import Placement, Replicate, Shard
 from shardwise.testing import run_on_ranks
 
 D_IN, HIDDEN, D_OUT, MICRO, STEPS, CLIP, LR = 8, 16, 4, 3, 3, 0.05, 0.1
@@ -78,28 +79,31 @@ def _reference(dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     return norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _split_rows(model: MLP, tp: shardwise.Group) -> None:
-    """What a column-parallel layer does: keep this rank's rows, mark them split over tp."""
+def _split_rows(model: MLP, mesh: shardwise.Mesh) -> dict[str, Placement]:
+    """What a column-parallel layer does: keep this rank's rows; their placements say so."""
+    tp = mesh.group(Axis.TP)
+    placements = {}
     for name in ("weight", "bias"):
         full = getattr(model.fc1, name)
+        placements[f"fc1.{name}"] = Placement.on(mesh, f"fc1.{name}", full.shape, {"tp": Shard(0)})
         piece = nn.Parameter(full.detach().chunk(tp.size, dim=0)[tp.rank].clone())
         setattr(model.fc1, name, piece)
-        mark_sharded(piece, tp, dim=0)
     model.tp = tp
+    return placements
 
 
 def _train_task(stage: int, mark: bool):
     torch.set_num_threads(1)
     mesh = shardwise.Mesh(dp=2, tp=2)
-    tp = mesh.group("tp")
     model = _model()
-    _split_rows(model, tp)
-    if not mark:
-        unmark(model.fc1.weight)
-        unmark(model.fc1.bias)
+    placements = _split_rows(model, mesh)
+    if not mark:  # claim fc1 is replicated: its halves then look like a whole (4, 8) tensor
+        placements = {
+            n: Placement.on(mesh, n, getattr(model.fc1, n[4:]).shape, {}) for n in placements
+        }
     cfg = shardwise.Config(zero_stage=stage, gradient_clipping=CLIP)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    engine = shardwise.initialize(model, opt, cfg, group=mesh)
+    engine = shardwise.initialize(model, opt, cfg, group=mesh, placements=placements)
     if mark:
         _check_placements(
             mesh.coords, engine.placement(model.fc1.weight), engine.placement(model.fc2.weight)
@@ -115,11 +119,11 @@ def _train_task(stage: int, mark: bool):
 
 
 def _check_placements(coords, fc1, fc2) -> None:
-    assert [s.dim for s in fc1.shards] == [0] and fc1.shards[0].group.name == "tp"
-    assert fc1.full_shape((HIDDEN // 2, D_IN)) == (HIDDEN, D_IN)
-    assert fc1.offsets((HIDDEN // 2, D_IN)) == (coords["tp"] * HIDDEN // 2, 0)
-    assert fc2.shards == () and "tp" in [g.name for g in fc2.replicated]
-    assert all(g.name != "tp" for g in fc1.replicated)
+    assert [(a.axis, a.style) for a in fc1.shards] == [(Axis.TP, Shard(0))]
+    assert fc1.full_shape == (HIDDEN, D_IN) and fc1.local_shape() == (HIDDEN // 2, D_IN)
+    assert fc1.real_box()[0] == (coords["tp"] * HIDDEN // 2, 0)
+    assert fc2.shards == () and Axis.TP in fc2.copies and fc2.style("tp") == Replicate()
+    assert Axis.TP not in fc1.copies
 
 
 @pytest.mark.parametrize("stage", [0, 1, 3])
@@ -143,36 +147,50 @@ def test_unmarked_split_parameter_gives_a_different_norm():
         assert abs(norms[0] - ref_norms[0]) > 1e-3 * ref_norms[0]
 
 
-def _bad_marks_task():
+def _bad_placements_task():
     mesh = shardwise.Mesh(dp=2, tp=2)
-    p = nn.Parameter(torch.zeros(4, 2))
     errors = []
     for call in (
-        lambda: mark_sharded(p, mesh.group("tp"), dim=2),
-        lambda: mark_sharded(torch.zeros(2), "tp", dim=0),
-        lambda: mark_sharded(p, mesh.group("tp"), dim=True),
+        lambda: Placement.on(mesh, "w", (4, 2), {"tp": Shard(2)}),
+        lambda: Placement.on(mesh, "w", (4, 2), {"ep": Shard(0)}),
     ):
         with pytest.raises((ValueError, TypeError)) as info:
             call()
         errors.append(str(info.value))
-    mark_sharded(p, mesh.group("tp"), dim=1)
-    mark_sharded(p, mesh.group("tp"), dim=-2)  # marking the same group again replaces the dim
-    assert placement_of(p).shards == (Shard(mesh.group("tp"), 0),)
-    vocab = nn.Parameter(torch.zeros(8, 4))  # 15 rows padded to 2 x 8
-    padded = mark_sharded(vocab, mesh.group("tp"), dim=0, full_size=15)
-    assert padded.full_shape((8, 4)) == (15, 4)
-    assert padded.offsets((8, 4)) == (8 * mesh.rank("tp"), 0)
-    with pytest.raises(ValueError, match=r"full_size=17 must be an int in \[1, 16\]"):
-        mark_sharded(vocab, mesh.group("tp"), dim=0, full_size=17)
+    vocab = Placement.on(mesh, "emb", (15, 4), {"tp": Shard(0)})  # 15 rows padded to 2 x 8
+    assert vocab.local_shape() == (8, 4) and vocab.padded
+    assert vocab.real_box() == ((8 * mesh.rank("tp"), 0), (8 - mesh.rank("tp"), 4))
+    # a model split by hand whose placements are not given is refused, naming the parameter
     model = _model()
-    mark_sharded(model.fc1.weight, mesh.group("dp", "tp"), dim=0)  # overlaps dp: refused
-    with pytest.raises(ValueError, match="shares ranks with the data-parallel group"):
-        shardwise.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), group=mesh)
+    _split_rows(model, mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrong = {"fc1.weight": Placement.on(mesh, "fc1.weight", (HIDDEN, D_IN), {"tp": Shard(1)})}
+    with pytest.raises(ValueError, match=r"parameter 'fc1\.weight' has shape") as info:
+        shardwise.initialize(model, opt, group=mesh, placements=wrong)
+    errors.append(str(info.value))
     return errors
 
 
-def test_bad_marks_are_refused():
-    for errors in run_on_ranks(4, _bad_marks_task):
-        assert "dim=2 is out of range for a parameter of shape (4, 2)" in errors[0]
-        assert "needs a shardwise.Group, got str" in errors[1]
-        assert "dim=True" in errors[2]
+def test_bad_placements_are_refused():
+    for errors in run_on_ranks(4, _bad_placements_task):
+        assert "w: Shard(dim=2) over tp is out of range for shape (4, 2)" in errors[0]
+        assert "unknown mesh axis 'ep'" in errors[1]
+        assert "(8, 8)" in errors[2] and "(16, 4)" in errors[2]
+
+
+def _unplanned_tp_layers_task():
+    from shardwise.parallel import plans
+    from shardwise.parallel import tensor as swtp
+
+    mesh = shardwise.Mesh(dp=2, tp=2)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    swtp.parallelize(model, mesh, {"0": "colwise", "1": "rowwise"})
+    with pytest.raises(ValueError, match="'0' is a tensor-parallel ColumnParallelLinear") as info:
+        shardwise.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), group=mesh)
+    assert plans.gpt.tp_plan()  # the recipes are reachable from the package
+    return str(info.value)
+
+
+def test_a_tensor_parallel_model_without_its_placements_is_refused():
+    for message in run_on_ranks(4, _unplanned_tp_layers_task):
+        assert "pass what parallelize returned" in message

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from shardwise.parallel import tensor as swtp
 from shardwise.comm import comm_stats
 from shardwise.mesh import Mesh
-from shardwise.models.gpt import GPT, GPTConfig, tp_plan
+from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.parallel import plans
+from shardwise.parallel.plans.gpt import tp_plan
 from shardwise.recompute import apply_activation_checkpointing
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -129,7 +131,7 @@ def llama_parity(tp_size: int, vocab: int, sp: bool = False, steps: int = 5) -> 
     ref = copy.deepcopy(model)
     x0, _ = batches(1, vocab)[0]
     ref_logits = ref(input_ids=x0).logits
-    tp = swtp.parallelize(model, mesh, swtp.plans.llama(), sequence_parallel=sp)
+    tp = swtp.parallelize(model, mesh, plans.llama.tp_plan(), sequence_parallel=sp)
     _close(model(input_ids=x0).logits, ref_logits, "logits")  # lm_head gathers its output
     return train_pair(model, ref, tp, batches(steps, vocab), _llama_loss)
 
@@ -140,7 +142,7 @@ def llama_norm_before_entry() -> None:
     mesh = Mesh(dp=-1, tp=2)
     torch.manual_seed(0)
     model = llama_model(37)
-    plan = dict(swtp.plans.llama())
+    plan = dict(plans.llama.tp_plan())
     del plan["model.layers.0"]
     plan["model.layers.1"] = "sequence_entry"  # layer 0's norms now run before the entry
     swtp.parallelize(model, mesh, plan, sequence_parallel=True)
@@ -367,7 +369,7 @@ def engine_parity(
     mesh = Mesh(dp=dp, tp=tp_size)
     torch.manual_seed(0)
     if kind == "llama":
-        model, loss_of, plan = llama_model(37), _llama_loss, swtp.plans.llama()
+        model, loss_of, plan = llama_model(37), _llama_loss, plans.llama.tp_plan()
     else:
         model, loss_of, plan = GPT(gpt_config(vocab=37)), _gpt_loss, tp_plan()
     ref = copy.deepcopy(model)
@@ -378,7 +380,7 @@ def engine_parity(
     clip = 0.05
     ref_losses, ref_norms = _ref_steps(ref, data, clip, loss_of)
     assert all(n > clip for n in ref_norms), "clipping must be active"
-    swtp.parallelize(model, mesh, plan, sequence_parallel=sp)
+    tp = swtp.parallelize(model, mesh, plan, sequence_parallel=sp)
     cfg = shardwise.Config(
         zero_stage=stage,
         gradient_clipping=clip,
@@ -388,7 +390,7 @@ def engine_parity(
         offload_optimizer=offload,
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
-    engine = shardwise.initialize(model, opt, cfg, group=mesh)
+    engine = shardwise.initialize(model, opt, cfg, group=mesh, placements=tp.placements)
     me = mesh.rank("dp")
     memory: dict[str, int] = {}
     for step, (x, y) in enumerate(data):

@@ -10,7 +10,8 @@ import tp_cases as tc
 import shardwise
 from shardwise.parallel import tensor as swtp
 from shardwise.mesh import Mesh
-from shardwise.models.gpt import GPT, tp_plan
+from shardwise.models.gpt import GPT
+from shardwise.parallel.plans.gpt import tp_plan
 from shardwise.parallel.placement import shard_of_full
 
 VOCAB = 37  # not divisible by tp: the embedding and head are padded
@@ -30,13 +31,14 @@ def tp_engine(dp: int, tp_size: int, stage: int, seed: int = 0, **config) -> sha
     mesh = Mesh(dp=dp, tp=tp_size)
     torch.manual_seed(seed)
     model = GPT(tc.gpt_config(vocab=VOCAB))
+    placements = None
     if tp_size > 1:
-        swtp.parallelize(model, mesh, tp_plan())
+        placements = swtp.parallelize(model, mesh, tp_plan()).placements
     cfg = shardwise.Config(
         zero_stage=stage, gradient_clipping=0.05, reduce_bucket_bytes=4096, **config
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
-    return shardwise.initialize(model, opt, cfg, group=mesh)
+    return shardwise.initialize(model, opt, cfg, group=mesh, placements=placements)
 
 
 def train(engine: shardwise.Engine, data: list, dp: int, dp_rank: int) -> list[float]:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from shardwise.mesh import Axis
 from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.parallel.placement import AxisPlace, Placement, Shard
 from shardwise.parallel.tensor import estimate as tpe
-from shardwise.parallel.tensor.placement import TPPlacement
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -19,7 +20,8 @@ def test_gpt_params_per_rank_match_the_plan(tp, vocab):
     for name, p in model.named_parameters():
         if any(k in name for k in split):
             dim = 1 if name.endswith(("out_proj.weight", "fc_out.weight")) else 0
-            local = TPPlacement(name, tuple(p.shape), dim, tp, 0).local_shape()
+            place = AxisPlace(Axis.TP, Shard(dim), tp, 0)
+            local = Placement(name, tuple(p.shape), (place,)).local_shape()
             n = 1
             for x in local:
                 n *= x

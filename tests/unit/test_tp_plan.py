@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.models.gpt import GPT, GPTConfig, pipeline_tp_plan, tp_plan
+from shardwise.mesh import Axis
+from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.parallel.pipeline import LayerStack
+from shardwise.parallel.placement import AxisPlace, Placement, Shard
+from shardwise.parallel.plans.gpt import pipeline_layers, pipeline_tp_plan, tp_plan
 from shardwise.parallel.tensor import rng
-from shardwise.parallel.tensor.placement import TPPlacement
 from shardwise.parallel.tensor.plan import expand, resolve
 
 
@@ -35,7 +37,7 @@ def test_gpt_pipeline_plan_names_the_pipeline_layers_like_tp_plan_the_gpt():
     # the same modules get the same styles under the pipeline's names (layers.{i}, tied.{key})
     model = GPT(GPTConfig(vocab_size=37, seq_len=8, n_layer=3, n_head=4, d_model=16))
     whole = resolve(model, tp_plan())
-    stack = LayerStack(model.pipeline_layers())
+    stack = LayerStack(pipeline_layers(model))
     styles = resolve(stack, pipeline_tp_plan(model.cfg))
     modules = dict(stack.named_modules())
     by_module = {id(m): n for n, m in model.named_modules()}
@@ -50,14 +52,16 @@ def test_gpt_pipeline_plan_names_the_pipeline_layers_like_tp_plan_the_gpt():
 @pytest.mark.parametrize("n,tp", [(10, 4), (9, 4), (8, 4), (37, 2)])
 def test_padded_shards_reassemble(n, tp):
     full = torch.arange(n * 3, dtype=torch.float32).view(n, 3)
-    shards = [TPPlacement("w", (n, 3), 0, tp, r).shard(full) for r in range(tp)]
-    p = TPPlacement("w", (n, 3), 0, tp, 0)
-    assert all(s.shape == (p.chunk, 3) for s in shards)
-    assert torch.equal(p.unpad(torch.cat(shards)), full)
-    real = sum(p.owned_range(r)[1] - p.owned_range(r)[0] for r in range(tp))
-    assert real == n and p.padded == (n % tp != 0)
-    with pytest.raises(ValueError, match="expected a full tensor"):
-        p.shard(full[:-1])
+    places = [Placement("w", (n, 3), (AxisPlace(Axis.TP, Shard(0), tp, r),)) for r in range(tp)]
+    shards = [p.shard_of(full) for p in places]
+    chunk = -(-n // tp)
+    assert all(s.shape == (chunk, 3) == p.local_shape() for s, p in zip(shards, places))
+    assert torch.equal(torch.cat(shards)[:n], full)
+    real = sum(p.real_box()[1][0] for p in places)
+    assert real == n and places[0].padded == (n % tp != 0)
+    assert [p.real_box()[0][0] for p in places] == [min(r * chunk, n) for r in range(tp)]
+    with pytest.raises(ValueError, match="expected the whole tensor"):
+        places[0].shard_of(full[:-1])
 
 
 def test_rng_streams():

@@ -59,17 +59,18 @@ def check_pipeline(run: RunConfig) -> None:
     opts, eng = run.train, run.engine
     pp, m = opts.pp, eng.pipeline_microbatches
     if pp == 1:
-        if m != 1 or eng.pipeline_schedule != "1f1b" or eng.pipeline_virtual_stages != 1:
+        if m != 1 or eng.pipeline_schedule != "1f1b" or (eng.pipeline_virtual_stages or 1) != 1:
             raise ValueError("--schedule and --microbatches run a pipeline: add --pp > 1")
         return
     layers = run.model.n_layer + PIPELINE_LAYERS_AROUND_BLOCKS
-    stages = pp * eng.pipeline_virtual_stages
+    virtual = eng.pipeline_virtual_stages or 1
+    stages = pp * virtual
     if layers < stages:
         raise ValueError(
             f"the {opts.model} model's {layers} pipeline layers cannot fill {stages} stages "
-            f"(--pp {pp} x {eng.pipeline_virtual_stages} per rank): lower --pp"
+            f"(--pp {pp} x {virtual} per rank): lower --pp"
         )
-    build_schedule(eng.pipeline_schedule, pp, m, eng.pipeline_virtual_stages)
+    build_schedule(eng.pipeline_schedule, pp, m, virtual)
     if run.micro_batch % m:
         raise ValueError(
             f"--micro-batch {run.micro_batch} does not split into --microbatches {m} equal "

@@ -66,7 +66,6 @@ from shardwise.zero.checkpoint_entries import (
     load_replicated,
     replicated_entries,
 )
-from shardwise.zero.param_layout import param_layouts
 
 __all__ = ["EngineCheckpoints", "load_engine", "resume_engine", "save_engine"]
 
@@ -123,7 +122,7 @@ def save_engine(
     group = save_group(engine)
     _check_saveable(engine)
     names = ModelNames.of(engine.module)
-    layouts = param_layouts(engine.module, engine.placement, engine.group)
+    layouts = engine.placements.layouts(engine.module, engine.group)
     entries, local = flat_entries(engine.flats, engine.optimizer, names, layouts)
     entries += replicated_entries(
         engine.module,
@@ -234,7 +233,7 @@ def load_engine(
     if verify:
         _verify_together(step_dir, engine)
     names = ModelNames.of(engine.module)
-    layouts = param_layouts(engine.module, engine.placement, engine.group)
+    layouts = engine.placements.layouts(engine.module, engine.group)
     with CheckpointReader(step_dir, verify=False) as reader:
         state = reader.trainer_state
         _check_format(state, engine, step_dir)

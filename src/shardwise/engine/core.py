@@ -10,7 +10,7 @@ engine.step()
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -37,8 +37,9 @@ from shardwise.engine.build import (
 )
 from shardwise.engine.checkpoint import EngineCheckpoints
 from shardwise.engine.memory import memory_report
-from shardwise.mesh import Axis, Mesh
-from shardwise.parallel.placement import NormReduction, Placement, placement_of
+from shardwise.engine.placements import EnginePlacements, ExtraStyles
+from shardwise.mesh import AXIS_ORDER, Axis, Mesh
+from shardwise.parallel.placement import Placement
 from shardwise.precision import DynamicLossScaler, resolve_precision
 from shardwise.topology import discover
 from shardwise.zero import optimizer as zero_opt
@@ -63,12 +64,15 @@ class Engine:
         model: nn.Module,
         optimizer: zero_opt.OptimizerLike,
         config: Config,
-        group: Group | Mesh | None = None,
+        group: Group | Mesh,
         lr_scheduler: SchedulerFactory | None = None,
+        placements: Mapping[str, Placement] | None = None,
     ) -> None:
         self.config = config
         self.device = check_model(model)
         self.mesh = group if isinstance(group, Mesh) else None
+        # where every parameter lives: the plan's placements, completed and checked
+        self.placements = EnginePlacements(model, self.mesh, placements, self._extra_styles(model))
         self.group = resolve_group(group)  # ZeRO shards over it
         self.replicate = resolve_replicate(group)  # hierarchical sharding: copies of the shards
         self.dp_group = resolve_dp(group)  # every data-parallel rank
@@ -95,7 +99,7 @@ class Engine:
         self._where: dict[int, tuple[FlatParam, ParamSlot]] = {
             id(p): (f, s) for f in self.flats for s, p in zip(f.slots, f.params)
         }
-        self.norm = self._norm_reduction(model)
+        self.norm = self.placements.norm_reduction(model)
         self._state_dict_hooks = param_access.guard_state_dict(model, self.flats)
         cast_outside_flats(model, set(self._where), self.dtypes.param)
         if self.dtypes.param != torch.float32:  # floating inputs follow the compute dtype
@@ -120,17 +124,10 @@ class Engine:
 
     # ---- construction ----
 
-    def _norm_reduction(self, model: nn.Module) -> NormReduction:
-        """Every pipeline stage holds its own layers: with a mesh, the norm also sums over pp."""
-        extra: tuple[Group, ...] = ()
-        if self.mesh is not None and self.mesh.pp_size > 1:
-            extra = (self.mesh.group(Axis.PP),)
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        return NormReduction(trainable, self.group, extra, self._counted_elsewhere(model))
-
-    def _counted_elsewhere(self, model: nn.Module) -> list[nn.Parameter]:
-        """Parameters whose copy another rank counts in the norm (none here)."""
-        return []
+    def _extra_styles(self, model: nn.Module) -> ExtraStyles | None:
+        """Styles the engine adds to the plan's placements (none here; a pipeline engine adds
+        each parameter's stage)."""
+        return None
 
     def _overflow_group(self) -> Group | None:
         """The group that agrees on fp16 overflow beyond the norm's reduction (none here: the
@@ -144,26 +141,17 @@ class Engine:
         )
 
     def placement(self, param: torch.Tensor) -> Placement:
-        """Where ``param`` (a parameter of ``self.module``) lives: the tensor-dim splits marked
-        by parallel layers, the dp group ZeRO shards it over, and the mesh groups holding
-        copies of this rank's piece."""
-        if id(param) not in self._where and all(param is not p for p in self.module.parameters()):
-            raise ValueError("not a parameter of this engine's model")
-        marked = placement_of(param)
-        copies: list[Group] = [] if self.stage.shard_params else [self.group]
-        if self.replicate is not None:  # every replica holds this rank's shard
-            copies.append(self.replicate)
-        if self.mesh is not None and self.mesh.tp_size > 1:
-            tp = self.mesh.group(Axis.TP)
-            if not marked.is_sharded_over(tp):
-                copies.append(tp)
-        zero = self.group if self.stage.shard_optimizer else None
-        return Placement(marked.shards, zero=zero, replicated=tuple(copies))
+        """Where ``param`` (a parameter of ``self.module``) lives on the mesh: per axis
+        ``Shard``, ``Replicate`` or ``StageOwned`` (ZeRO's flat sharding over the dp group comes
+        on top, see ``self.flats``)."""
+        return self.placements.of(param)
 
     def writes_buffer(self, name: str) -> bool:
         """Whether this rank writes buffer ``name`` (a state-dict key) to a checkpoint: one
         holder of its copies, the first rank of the dp group (and of tp in a mesh)."""
-        return self.dp_group.rank == 0 and (self.mesh is None or self.mesh.rank(Axis.TP) == 0)
+        mesh = self.mesh
+        inside = (a for a in AXIS_ORDER if a not in (Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD))
+        return self.dp_group.rank == 0 and (mesh is None or all(mesh.rank(a) == 0 for a in inside))
 
     # ---- training ----
 
@@ -270,12 +258,14 @@ class Engine:
         vocabulary padding cut, so it loads into the plain model. Communicates: see
         ``param_access.full_state_dict`` (an all_gather per flat buffer at stages 1-3, one
         per split parameter over its split group)."""
-        return param_access.full_state_dict(self.module, self.flats)
+        return param_access.full_state_dict(self.module, self.flats, self.placements)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load a full model state (as ``state_dict`` returns, or the plain model's): each
         rank keeps its piece of every split parameter; communicates nothing."""
-        param_access.load_full_state_dict(self.module, self._where, state, self.device)
+        param_access.load_full_state_dict(
+            self.module, self._where, state, self.device, self.placements
+        )
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds now: see ``shardwise.engine.memory.memory_report``."""

@@ -3,16 +3,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
+from shardwise import comm
 from shardwise.comm.groups import Group
 from shardwise.config import Config
 from shardwise.engine.core import Engine, SchedulerFactory
 from shardwise.mesh import Mesh
+from shardwise.parallel.parallelize import Parallelized
 from shardwise.parallel.pipeline.engine import PipelineEngine, check_pipeline_config
 from shardwise.parallel.pipeline.stage import PipelineModule
+from shardwise.parallel.placement import Placement
 from shardwise.recompute import apply_activation_checkpointing
 from shardwise.zero import optimizer as zero_opt
 
@@ -20,24 +24,25 @@ __all__ = ["initialize"]
 
 
 def initialize(
-    model: nn.Module,
+    model: nn.Module | Parallelized,
     optimizer: zero_opt.OptimizerLike,
     config: Config | dict[str, Any] | None = None,
     *,
     group: Group | Mesh | None = None,
     lr_scheduler: SchedulerFactory | None = None,
+    placements: Mapping[str, Placement] | None = None,
 ) -> Engine:
     """Wrap ``model`` for ZeRO training over ``group`` (default: the world; a Mesh: its dp axis,
     the norm spanning its other axes too; a ``Mesh(dp_replicate=, dp_shard=)``: sharded over
     each dp_shard group and replicated across dp_replicate, hierarchical sharding).
 
     Parallelisms apply from outside the model in one order: pipeline split, tensor parallel
-    (both done by the caller before this, marking split parameters with
-    ``shardwise.parallel.placement.mark_sharded``), recompute (``config.activation_checkpointing``,
-    applied here by ``shardwise.recompute.apply_activation_checkpointing``), ZeRO (the Engine).
+    and recompute (``shardwise.parallelize``, whose result this takes; or
+    ``config.activation_checkpointing``, applied here), ZeRO (the Engine).
 
     Args:
-        model: the model, on one device, identical in structure on every rank of the dp group
+        model: what ``shardwise.parallelize`` returned (its module, mesh and placements), or a
+            model, on one device, identical in structure on every rank of the dp group
             (checked; weights are taken from the group's first rank). A model is initialized
             once.
         optimizer: a torch optimizer over ``model.parameters()`` (its class, hyperparameters
@@ -47,10 +52,21 @@ def initialize(
             ``shardwise.parallel.pipeline.PipelineModule``, which returns a ``PipelineEngine`` with
             ``train_batch`` / ``eval_batch``; ZeRO 0-3, fp32, bf16 or fp16).
         lr_scheduler: a callable ``optimizer -> scheduler``, stepped with the optimizer.
+        placements: for a model split by hand or by ``shardwise.parallel.tensor.parallelize``:
+            each parameter name's ``Placement`` (``tp.placements``); a model holding
+            tensor-parallel layers without them is refused.
 
     Communicates: one all_gather of 8 bytes per rank (the structure check), broadcasts of every
     parameter and buffer from the group's first rank.
     """
+    if isinstance(model, Parallelized):
+        if group is not None and group is not model.mesh:
+            raise ValueError("a parallelized model trains on its own mesh: leave group out")
+        if placements is not None:
+            raise ValueError("a parallelized model brings its placements: leave placements out")
+        group, placements, model = model.mesh, model.placements, model.module
+    if group is None:  # the public entry point: None is the current world
+        group = comm.resolve(None)
     if config is None:
         config = Config()
     elif isinstance(config, dict):
@@ -63,5 +79,5 @@ def initialize(
         apply_activation_checkpointing(model, config.activation_checkpointing)
     if isinstance(model, PipelineModule):
         assert isinstance(group, Mesh)
-        return PipelineEngine(model, optimizer, config, group, lr_scheduler)
-    return Engine(model, optimizer, config, group=group, lr_scheduler=lr_scheduler)
+        return PipelineEngine(model, optimizer, config, group, lr_scheduler, placements)
+    return Engine(model, optimizer, config, group, lr_scheduler, placements)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardwise.comm import ops
-from shardwise.parallel.placement import gather_full, placement_of, shard_of_full
+from shardwise.engine.placements import EnginePlacements
 from shardwise.zero.flat_param import FlatParam, ParamState
 from shardwise.zero.partition import ParamSlot
 
@@ -138,13 +138,15 @@ def _write_back(chosen: list[FlatParam], before: list[torch.Tensor], src: int) -
                 f.load_param(slot, new.clone())
 
 
-def full_state_dict(module: nn.Module, flats: list[FlatParam]) -> dict[str, torch.Tensor]:
+def full_state_dict(
+    module: nn.Module, flats: list[FlatParam], placements: EnginePlacements
+) -> dict[str, torch.Tensor]:
     """``module``'s full state keyed by its own names, parameters at master precision (copies).
-    A parameter split by a parallel layer (``placement.mark_sharded``, e.g. over tp) is
-    gathered whole, padding cut: the state of the model before it was split.
+    A parameter split by a parallel layer (its placement shards it, e.g. over tp) is gathered
+    whole, padding cut: the state of the model before it was split.
 
     Communicates (optimizer sharded): an all_gather per flat buffer; then one all_gather per
-    split parameter and split group (each tied parameter once), in state-dict order."""
+    split parameter and split axis (each tied parameter once), in state-dict order."""
     values: dict[int, torch.Tensor] = {}
     for f in flats:
         full = f.full_master()
@@ -155,10 +157,10 @@ def full_state_dict(module: nn.Module, flats: list[FlatParam]) -> dict[str, torc
     for name, t in module.state_dict(keep_vars=True).items():
         v = values.get(id(t))
         v = v if v is not None else t.detach().clone()
-        where = placement_of(t)
-        if where.shards:
+        where = placements.get(t)
+        if where is not None and where.shards:
             if id(t) not in whole:
-                whole[id(t)] = gather_full(v, where)
+                whole[id(t)] = where.gather_full(v, placements.group)
             v = whole[id(t)]
         out[name] = v
     return out
@@ -169,6 +171,7 @@ def load_full_state_dict(
     where: dict[int, tuple[FlatParam, ParamSlot]],
     state: dict[str, torch.Tensor],
     device: torch.device,
+    placements: EnginePlacements,
 ) -> None:
     """Write a full state (as ``full_state_dict`` returns) into every copy this rank keeps;
     ``where`` maps a parameter's id to its flat buffer and slot. A split parameter keeps this
@@ -183,16 +186,15 @@ def load_full_state_dict(
         )
     for name, t in own.items():
         found = where.get(id(t))
-        local = found[1].shape if found is not None else tuple(t.shape)
-        split = placement_of(t)
+        split = placements.get(t)
         value = state[name]
-        whole = split.full_shape(local)
+        whole = split.full_shape if split is not None else tuple(t.shape)
         if tuple(value.shape) != whole:
             raise ValueError(
                 f"state dict entry {name} has shape {tuple(value.shape)}, the model's is {whole}"
             )
-        if split.shards:
-            value = shard_of_full(value, split, local)
+        if split is not None and split.shards:
+            value = split.shard_of(value)
         if found is not None:
             found[0].load_param(found[1], value.to(device))
         else:

@@ -26,8 +26,8 @@ from shardwise import dist as sw_dist
 from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.comm.groups import Group
 from shardwise.config import Config
+from shardwise.engine.placements import EnginePlacements
 from shardwise.mesh import Mesh
-from shardwise.parallel.placement import Placement
 from shardwise.precision import DynamicLossScaler
 from shardwise.seeding import seed_all
 from shardwise.zero.checkpoint_entries import ModelNames, ScalarStates
@@ -58,7 +58,8 @@ class CheckpointableEngine(Protocol):
 
     def zero_grad(self) -> None: ...
 
-    def placement(self, param: torch.Tensor) -> Placement: ...
+    @property
+    def placements(self) -> EnginePlacements: ...
 
     def writes_buffer(self, name: str) -> bool: ...
 

@@ -88,52 +88,6 @@ MODEL_SIZES: dict[str, GPTConfig] = {
 """Named model presets, selectable with ``GPTConfig.named``."""
 
 
-def tp_plan() -> dict[str, str]:
-    """Tensor-parallel plan for ``GPT`` (see ``shardwise.parallel.tensor.parallelize``).
-
-    Attention is split by heads and the MLP by its hidden width (Megatron-LM); the token
-    embedding and the tied output head by the vocabulary, so the loss runs on vocab-sharded
-    logits (``shardwise.parallel.tensor.vocab_parallel_cross_entropy``) and full logits never exist.
-    The norms, the position embedding and dropout are ``sequence`` modules: under sequence
-    parallelism they run on 1/tp of the sequence. ``n_head`` must divide by tp.
-    """
-    return {
-        "tok_emb": "vocab_embedding",
-        "pos_emb": "sequence",
-        "drop": "sequence",
-        "blocks.*.ln_{attn,mlp}": "sequence",
-        "blocks.*.drop": "sequence",
-        "blocks.*.attn.{q,k,v}_proj": "colwise",
-        "blocks.*.attn.out_proj": "rowwise",
-        "blocks.*.mlp.fc_in": "colwise",
-        "blocks.*.mlp.fc_out": "rowwise",
-        "ln_f": "sequence",
-        "head": "colwise",
-    }
-
-
-def pipeline_tp_plan(cfg: GPTConfig) -> dict[str, str]:
-    """``tp_plan()`` for a ``PipelineModule`` over ``GPT(cfg).pipeline_layers()``, under its
-    names: ``tied.tok_emb``, ``layers.1`` (positions), ``layers.{2..n_layer+1}`` (blocks),
-    ``layers.{n_layer+2}`` (the final norm). Apply it per stage with
-    ``shardwise.parallel.tensor.parallelize(pipe, mesh, pipeline_tp_plan(cfg))``: the tied head then
-    returns vocab-sharded logits, whose loss is
-    ``shardwise.parallel.tensor.vocab_parallel_cross_entropy`` over ``mesh.group("tp")`` with
-    ``vocab_size=cfg.vocab_size``. Without sequence
-    parallelism (the positions layer reads the sequence length from its input)."""
-    return {
-        "tied.tok_emb": "vocab_embedding",
-        "layers.1.pos_emb": "sequence",
-        "layers.*.drop": "sequence",
-        "layers.*.ln_{attn,mlp}": "sequence",
-        "layers.*.attn.{q,k,v}_proj": "colwise",
-        "layers.*.attn.out_proj": "rowwise",
-        "layers.*.mlp.fc_in": "colwise",
-        "layers.*.mlp.fc_out": "rowwise",
-        f"layers.{cfg.n_layer + 2}": "sequence",
-    }
-
-
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where each position sees only itself and earlier positions.
 
@@ -270,45 +224,6 @@ class GPT(nn.Module):
             return parallel_loss(logits, targets)
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
-    def pipeline_layers(self) -> list[object]:
-        """This model as a flat list of pipeline layers for
-        ``shardwise.parallel.pipeline.PipelineModule``: the token embedding, positions (+
-        dropout), the blocks, the final norm and the head. The head and the token embedding are one
-        ``Tied("tok_emb")`` entry, so the first and last stage keep bitwise-equal copies. The stages
-        output logits; the matching loss is
-        ``F.cross_entropy(logits.flatten(0, 1), targets.flatten())`` (tensor parallel: see
-        ``pipeline_tp_plan``)."""
-        from shardwise.parallel.pipeline import LayerFn, Tied
-
-        def add_positions(layer: Any, x: torch.Tensor) -> torch.Tensor:  # a LayerFn
-            pos = torch.arange(x.shape[1], device=x.device)
-            pos_emb = layer.pos_emb(pos)  # [seq, d_model]
-            if pos_emb.shape[0] != x.shape[1]:  # a position embedding that keeps a slice
-                raise ValueError(
-                    f"the positions layer got {x.shape[1]} positions but its embedding returned "
-                    f"{pos_emb.shape[0]}: GPT.pipeline_layers() does not support sequence "
-                    "parallelism (the layer reads the sequence length from its input)"
-                )
-            return layer.drop(x + pos_emb)  # [batch, seq, d_model]
-
-        def head(emb: nn.Module, h: torch.Tensor) -> torch.Tensor:
-            # a vocab-parallel embedding (pipeline_tp_plan) projects onto its own rows
-            project = getattr(emb, "project", None)
-            if project is not None:
-                return project(h)  # [batch, seq, vocab_size // tp]
-            weight = emb.weight
-            assert isinstance(weight, torch.Tensor)
-            return F.linear(h, weight)  # [batch, seq, vocab_size]
-
-        return [
-            Tied("tok_emb", self.tok_emb),
-            LayerFn(add_positions, pos_emb=self.pos_emb, drop=self.drop),
-            *self.blocks,
-            self.ln_f,
-            Tied("tok_emb", self.tok_emb, forward_fn=head),
-        ]
-
-    @torch.no_grad()
     def generate(
         self,
         idx: torch.Tensor,

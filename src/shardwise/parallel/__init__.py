@@ -1,2 +1,36 @@
-"""Parallelism applied to a model from outside: where each parameter lives (``placement``),
-tensor and sequence parallelism (``tensor``), pipeline parallelism (``pipeline``)."""
+"""Parallelism applied to a model from outside, in one order: pipeline split (``pipeline``),
+tensor and sequence parallelism (``tensor``), recompute; ``parallelize`` applies a
+``ParallelPlan`` and returns the model with one ``Placement`` per parameter (``placement``:
+``Shard``, ``Replicate`` or ``StageOwned`` per mesh axis), which ``shardwise.initialize`` takes.
+Ready-made plans: ``plans.gpt``, ``plans.llama``."""
+
+from shardwise.parallel import (
+    pipeline,
+    placement,
+    plans,
+    tensor,
+)
+from shardwise.parallel.parallelize import (
+    Parallelized,
+    ParallelPlan,
+    PipelineSplit,
+    parallelize,
+    pipeline_names,
+)
+from shardwise.parallel.placement import Placement, Replicate, Shard, StageOwned
+
+__all__ = [
+    "ParallelPlan",
+    "Parallelized",
+    "PipelineSplit",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "StageOwned",
+    "parallelize",
+    "pipeline",
+    "pipeline_names",
+    "placement",
+    "plans",
+    "tensor",
+]

@@ -1,203 +1,252 @@
-"""Where each parameter lives: which groups split it along a tensor dim, which hold copies.
+"""Where each parameter lives: one frozen value per parameter, per mesh axis.
 
-A parallel layer that shards a parameter (tensor parallelism splits a Linear's weight over the
-mesh's tp axis) says so once, from outside the model::
+Along each mesh axis a parameter is either
 
-    shard = nn.Parameter(full.chunk(tp_size, dim=0)[tp_rank].clone())
-    shardwise.parallel.placement.mark_sharded(shard, mesh.group("tp"), dim=0)
+- ``Shard(dim)``: split along tensor dim ``dim``, axis rank i holding the i-th of ``size``
+  equal pieces (``full_size``: the unpadded length when the pieces are zero-padded at the end,
+  a vocabulary that does not divide by tp);
+- ``Replicate()``: the same values on every rank of the axis (``partial=True``: used on a
+  slice of the sequence, so its gradient is a partial sum that a hook all-reduces over the
+  axis in backward, sequence parallelism);
+- ``StageOwned(holders)``: the axis splits the model (pipeline stages): each rank holds its
+  own parameters; ``holders`` lists the axis ranks holding copies of a tied parameter, the
+  first of which counts and saves it.
 
-The record lives in a table of our own keyed by the parameter object (weakly: it goes away with
-the parameter), never as an attribute on the ``nn.Parameter``. The engine reads it at
-``initialize``: ZeRO flattens and shards each rank's local parameters over the dp group on top
-of this, and the global gradient norm sums each parameter once over every axis
-(:class:`NormReduction`).
+A ``Placement`` records that for one parameter (its name, its whole unpadded shape and, for
+every mesh axis larger than one, the style with the axis's size and this rank's coordinate).
+It is a value: the plan returned by ``shardwise.parallelize`` holds one per parameter name and
+``shardwise.initialize`` takes it; nothing is registered globally or hung on parameters. The
+engine, the gradient-norm reduction, the checkpoint boxes and the saving group derive from it.
+ZeRO's own sharding of flat buffers over the data-parallel group is the engine's storage, not a
+placement: along dp a parameter is ``Replicate()``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from shardwise.comm import ops
 from shardwise.comm.groups import Group
+from shardwise.mesh import AXIS_ORDER, Axis, Mesh, as_axis
 
 
 @dataclass(frozen=True)
 class Shard:
-    """A parameter split along tensor dim ``dim`` over ``group``: group rank i holds the i-th of
-    ``group.size`` equal pieces. ``full_size``: the whole length along ``dim`` when the pieces
-    are padded at the end (a vocabulary that does not divide by the group size); None: the
-    pieces' total."""
+    """Split along tensor dim ``dim``; ``full_size``: the unpadded length when padded."""
 
-    group: Group
     dim: int
     full_size: int | None = None
 
 
 @dataclass(frozen=True)
-class Placement:
-    """A parameter's layout over the process groups that hold it.
+class Replicate:
+    """The same values on every rank of the axis; ``partial``: its gradient is a partial sum
+    over the axis (all-reduced by a hook in backward)."""
 
-    ``shards``: tensor-dim splits made by parallel layers (e.g. tp), in the order they were
-    marked. ``zero``: the group ZeRO flattens and shards it over (the engine's dp group; None
-    outside an engine). ``replicated``: mesh groups whose ranks hold identical copies of this
-    rank's local tensor (e.g. tp for a norm weight).
+    partial: bool = False
+
+
+@dataclass(frozen=True)
+class StageOwned:
+    """Held by this pipeline stage alone, or (``holders``) copied on those axis ranks."""
+
+    holders: tuple[int, ...] = ()
+
+
+Style = Shard | Replicate | StageOwned
+GroupOf = Callable[[Axis], Group]
+
+
+@dataclass(frozen=True)
+class AxisPlace:
+    """One axis of a placement: its style, the axis's size and this rank's coordinate."""
+
+    axis: Axis
+    style: Style
+    size: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One parameter's layout over the mesh (see the module docstring).
+
+    ``axes`` lists, in mesh order, every axis whose style is not plain ``Replicate()`` or whose
+    copies matter (replicated axes larger than one); an axis not listed is replicated.
     """
 
-    shards: tuple[Shard, ...] = ()
-    zero: Group | None = None
-    replicated: tuple[Group, ...] = ()
+    name: str
+    full_shape: tuple[int, ...]
+    axes: tuple[AxisPlace, ...] = field(default=())
 
-    def is_sharded_over(self, group: Group) -> bool:
-        return any(s.group is group for s in self.shards)
+    @classmethod
+    def on(
+        cls,
+        mesh: Mesh,
+        name: str,
+        full_shape: Sequence[int],
+        styles: Mapping[str | Axis, Style],
+    ) -> Placement:
+        """The placement of ``name`` (whole shape ``full_shape``) on ``mesh``: ``styles`` per
+        axis; every other axis larger than one is ``Replicate()``."""
+        given = {as_axis(a): s for a, s in styles.items()}
+        places = []
+        for axis in AXIS_ORDER:
+            size = mesh.axis_sizes[axis]
+            style = given.pop(axis, Replicate())
+            if size > 1:
+                places.append(AxisPlace(axis, style, size, mesh.rank(axis)))
+        if given:
+            raise ValueError(f"{name}: style for {sorted(map(str, given))}, not a mesh's own axis")
+        out = cls(name, tuple(int(n) for n in full_shape), tuple(places))
+        out.check()
+        return out
 
-    def full_shape(self, local: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
-        """The shape of the whole parameter, from this rank's local shape."""
-        shape = list(local)
-        for s in self.shards:
-            shape[s.dim] *= s.group.size
-        for s in self.shards:  # padding is at the end of the whole dim
-            if s.full_size is not None:
-                shape[s.dim] = s.full_size
+    def check(self) -> None:
+        """Raise ValueError naming the parameter for a shard dim out of range."""
+        for a in self.axes:
+            if isinstance(a.style, Shard) and not 0 <= a.style.dim < len(self.full_shape):
+                raise ValueError(
+                    f"{self.name}: Shard(dim={a.style.dim}) over {a.axis} is out of range for "
+                    f"shape {self.full_shape}"
+                )
+
+    def style(self, axis: str | Axis) -> Style:
+        for a in self.axes:
+            if a.axis == axis:
+                return a.style
+        return Replicate()
+
+    @property
+    def shards(self) -> tuple[AxisPlace, ...]:
+        """The axes that split the tensor, outermost first."""
+        return tuple(a for a in self.axes if isinstance(a.style, Shard))
+
+    @property
+    def copies(self) -> tuple[Axis, ...]:
+        """Axes whose ranks hold identical copies of this rank's piece (larger than one; a
+        tied pipeline copy is ``first_holder``'s business)."""
+        return tuple(a.axis for a in self.axes if isinstance(a.style, Replicate))
+
+    @property
+    def first_holder(self) -> bool:
+        """False for a tied copy on a pipeline rank that is not its first holder."""
+        for a in self.axes:
+            if isinstance(a.style, StageOwned) and a.style.holders:
+                return a.rank == a.style.holders[0]
+        return True
+
+    @property
+    def partial_axes(self) -> tuple[Axis, ...]:
+        return tuple(a.axis for a in self.axes if a.style == Replicate(partial=True))
+
+    def _dim_splits(self) -> dict[int, tuple[int, int]]:
+        """Per split dim: (pieces, this rank's piece index), nested axes flattened (outer
+        first)."""
+        out: dict[int, tuple[int, int]] = {}
+        for a in self.shards:
+            assert isinstance(a.style, Shard)
+            n, i = out.get(a.style.dim, (1, 0))
+            out[a.style.dim] = (n * a.size, i * a.size + a.rank)
+        return out
+
+    def local_shape(self) -> tuple[int, ...]:
+        """This rank's tensor: ``ceil(n / pieces)`` along each split dim (padding included)."""
+        shape = list(self.full_shape)
+        for d, (n, _) in self._dim_splits().items():
+            shape[d] = math.ceil(shape[d] / n)
         return tuple(shape)
 
-    def offsets(self, local: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
-        """Where this rank's piece starts in the whole parameter, per tensor dim (splits over
-        several groups along one dim nest in marking order)."""
-        start, length = [0] * len(local), list(local)
-        for s in self.shards:
-            length[s.dim] *= s.group.size
-        for s in self.shards:
-            length[s.dim] //= s.group.size
-            start[s.dim] += s.group.rank * length[s.dim]
-        full = self.full_shape(local)
-        return tuple(min(a, n) for a, n in zip(start, full))
+    def real_box(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(offsets, shape)`` of this rank's piece in the whole tensor, padding cut."""
+        local = self.local_shape()
+        offsets, shape = [0] * len(local), list(local)
+        for d, (_, i) in self._dim_splits().items():
+            start = min(i * local[d], self.full_shape[d])
+            offsets[d], shape[d] = start, min(local[d], self.full_shape[d] - start)
+        return tuple(offsets), tuple(shape)
 
-    def real_box(
-        self, local: torch.Size | tuple[int, ...]
-    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``(offsets, shape)`` of this rank's piece inside the whole parameter, padding cut:
-        the shape is the local one where the piece ends past the unpadded length."""
-        offsets, full = self.offsets(local), self.full_shape(local)
-        shape = tuple(min(n, f - o) for n, o, f in zip(local, offsets, full))
-        return offsets, shape
+    @property
+    def padded(self) -> bool:
+        """Whether a split dim does not divide by its pieces (the last pieces end in zeros)."""
+        return any(self.full_shape[d] % n for d, (n, _) in self._dim_splits().items())
 
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the whole tensor ``full`` (zero where the piece is padding).
+        Raises ValueError naming the parameter when ``full`` does not have the whole shape."""
+        if tuple(full.shape) != self.full_shape:
+            raise ValueError(
+                f"{self.name}: expected the whole tensor of shape {self.full_shape}, got "
+                f"{tuple(full.shape)}"
+            )
+        offsets, shape = self.real_box()
+        out = full.new_zeros(self.local_shape())
+        out[tuple(slice(0, n) for n in shape)] = full[
+            tuple(slice(o, o + n) for o, n in zip(offsets, shape))
+        ]
+        return out
 
-def gather_full(local: torch.Tensor, where: Placement) -> torch.Tensor:
-    """The whole parameter from every rank's ``local`` piece, padding cut (call on every rank
-    of every group in ``where.shards``, in the same order on each). Communicates: one
-    all_gather per shard group, innermost split first."""
-    out = local.detach()
-    for s in reversed(where.shards):
-        front = out.movedim(s.dim, 0).contiguous()
-        gathered = ops.all_gather(front, group=s.group)
-        assert isinstance(gathered, torch.Tensor)
-        out = gathered.movedim(0, s.dim)
-    for d, n in enumerate(where.full_shape(local.shape)):
-        out = out.narrow(d, 0, n)
-    return out.contiguous()
-
-
-def shard_of_full(
-    full: torch.Tensor, where: Placement, local: torch.Size | tuple[int, ...]
-) -> torch.Tensor:
-    """This rank's piece (of shape ``local``) of the whole parameter ``full``, zero where the
-    piece is padding. Raises ValueError when ``full`` does not have the whole shape."""
-    want = where.full_shape(local)
-    if tuple(full.shape) != want:
-        raise ValueError(f"expected the whole tensor of shape {want}, got {tuple(full.shape)}")
-    offsets, shape = where.real_box(local)
-    out = full.new_zeros(tuple(local))
-    index = tuple(slice(0, n) for n in shape)
-    out[index] = full[tuple(slice(o, o + n) for o, n in zip(offsets, shape))]
-    return out
+    def gather_full(self, local: torch.Tensor, group_of: GroupOf) -> torch.Tensor:
+        """The whole parameter from every rank's ``local`` piece, padding cut (call on every
+        rank of every split axis). Communicates: one all_gather per split axis, innermost
+        first."""
+        out = local.detach()
+        for a in reversed(self.shards):
+            assert isinstance(a.style, Shard)
+            front = out.movedim(a.style.dim, 0).contiguous()
+            gathered = ops.all_gather(front, group=group_of(a.axis))
+            assert isinstance(gathered, torch.Tensor)
+            out = gathered.movedim(0, a.style.dim)
+        for d, n in enumerate(self.full_shape):
+            out = out.narrow(d, 0, n)
+        return out.contiguous()
 
 
-_SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def mark_sharded(
-    param: torch.Tensor, group: Group, dim: int, full_size: int | None = None
-) -> Placement:
-    """Record that ``param`` is this rank's piece of a tensor split along ``dim`` over
-    ``group`` (call it on every rank, right after creating the local piece and before
-    ``shardwise.initialize``). ``full_size``: the unpadded length of ``dim`` when the pieces
-    are zero-padded at the end (their gradients there must be zero). Marking the same group
-    again replaces its entry; a parameter may be split over several groups. Returns the
-    placement so far.
-
-    Raises:
-        TypeError: ``param`` is not a tensor or ``group`` not a ``shardwise.Group``.
-        ValueError: ``dim`` is out of range, or ``group`` has only this rank.
-    """
-    if not isinstance(param, torch.Tensor):
-        raise TypeError(f"mark_sharded needs a parameter tensor, got {type(param).__name__}")
-    if not isinstance(group, Group):
-        raise TypeError(f"mark_sharded needs a shardwise.Group, got {type(group).__name__}")
-    if not isinstance(dim, int) or isinstance(dim, bool) or not -param.dim() <= dim < param.dim():
-        raise ValueError(
-            f"dim={dim!r} is out of range for a parameter of shape {tuple(param.shape)}"
-        )
-    if not group.is_member:
-        raise ValueError(f"this rank is not a member of {group}; mark only its own pieces")
-    dim %= param.dim()
-    most = param.shape[dim] * group.size
-    if full_size is not None and not (isinstance(full_size, int) and 0 < full_size <= most):
-        raise ValueError(f"full_size={full_size!r} must be an int in [1, {most}]")
-    kept = tuple(s for s in _SHARDS.get(param, ()) if s.group is not group)
-    shards = (*kept, Shard(group, dim, full_size))
-    _SHARDS[param] = shards
-    return Placement(shards)
-
-
-def unmark(param: torch.Tensor) -> None:
-    """Forget every split recorded for ``param`` (it is whole again)."""
-    _SHARDS.pop(param, None)
-
-
-def placement_of(param: torch.Tensor) -> Placement:
-    """The splits recorded for ``param`` (no ZeRO group: the engine adds that)."""
-    return Placement(_SHARDS.get(param, ()))
+def replicated(name: str, shape: Sequence[int]) -> Placement:
+    """A parameter every rank holds whole (no mesh, or replicated along every axis)."""
+    return Placement(name, tuple(int(n) for n in shape))
 
 
 class NormReduction:
     """How this rank's part of the global gradient norm is summed over a mesh.
 
     Every parameter must be counted exactly once. ZeRO's dp slices are summed by the caller
-    (``zero.step``). On top of that the squares are all-reduced over every other group that
-    splits some parameter (in first-seen order, the same on every rank): a parameter split over
-    a group is summed over it; a parameter not split over it holds the same values on each of
-    its ranks, so only the group's first rank counts it (no division: the sum stays exact and
-    every rank ends with the same bits). ``extra``: groups that split every parameter (the pp
-    axis: each stage holds its own layers). ``counted_elsewhere``: parameters whose copy
-    another rank counts (a tied weight on every pipeline stage but its first holder).
+    (``zero.step``). On top of that the squares are all-reduced over every other axis that
+    splits some parameter (``Shard`` or ``StageOwned``), in mesh order: a parameter split over
+    an axis is summed over it; a parameter replicated along it holds the same values on each of
+    its ranks, so only the axis's first rank counts it (no division: the sum stays exact and
+    every rank ends with the same bits); a tied copy is counted by its first holder only.
     """
 
     def __init__(
         self,
-        params: Sequence[torch.Tensor],
-        dp: Group,
-        extra: tuple[Group, ...] = (),
-        counted_elsewhere: Sequence[torch.Tensor] = (),
+        params: Iterable[tuple[torch.Tensor, Placement]],
+        group_of: GroupOf,
+        data_parallel: Sequence[Axis] = (Axis.DP_REPLICATE, Axis.DP_SHARD),
     ) -> None:
-        groups: list[Group] = list(extra)
-        for p in params:
-            for s in placement_of(p).shards:
-                if all(s.group is not g for g in groups):
-                    groups.append(s.group)
-        for g in groups:
-            _check_orthogonal(g, dp)
-        self.groups = tuple(groups)
-        # ids of parameters another rank counts (of some group, or a copy another rank holds)
-        self._skipped: set[int] = {id(p) for p in counted_elsewhere}
-        for p in params:
-            where = placement_of(p)
-            for g in groups:
-                split = where.is_sharded_over(g) or any(g is e for e in extra)
-                if not split and g.rank != 0:
+        pairs = list(params)
+        split: list[Axis] = []
+        for _, where in pairs:
+            for a in where.axes:
+                if a.axis in data_parallel or a.axis in split:
+                    continue
+                if isinstance(a.style, (Shard, StageOwned)):
+                    split.append(a.axis)
+        self.axes = tuple(a for a in AXIS_ORDER if a in split)
+        self.groups = tuple(group_of(a) for a in self.axes)
+        self._skipped: set[int] = set()
+        for p, where in pairs:
+            for a in where.axes:
+                if a.axis not in self.axes:
+                    continue
+                st = a.style
+                if isinstance(st, Replicate) and a.rank != 0:
+                    self._skipped.add(id(p))
+                if isinstance(st, StageOwned) and st.holders and st.holders[0] != a.rank:
                     self._skipped.add(id(p))
 
     def counts(self, param: torch.Tensor) -> bool:
@@ -205,16 +254,7 @@ class NormReduction:
         return id(param) not in self._skipped
 
     def reduce(self, sumsq: torch.Tensor) -> None:
-        """Sum ``sumsq`` (one fp32 value) over every group in turn. Communicates: one
-        all_reduce of 4 bytes per group."""
+        """Sum ``sumsq`` (one fp32 value) over every splitting axis in turn. Communicates: one
+        all_reduce of 4 bytes per axis."""
         for g in self.groups:
             ops.all_reduce(sumsq, op="sum", group=g)
-
-
-def _check_orthogonal(group: Group, dp: Group) -> None:
-    me = dp.ranks[dp.rank]
-    if set(group.ranks) & set(dp.ranks) != {me}:
-        raise ValueError(
-            f"a parameter is split over {group}, which shares ranks with the data-parallel "
-            f"group {dp}; a split group must be another mesh axis (e.g. mesh.group('tp'))"
-        )

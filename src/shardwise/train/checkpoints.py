@@ -21,7 +21,7 @@ from shardwise.data.sampler import DistributedBatchSampler
 from shardwise.engine.core import Engine
 from shardwise.mesh import Axis, Mesh
 from shardwise.models.gpt import GPT, GPTConfig
-from shardwise.train.parallel import BuiltModel, pipeline_names, state_aliases
+from shardwise.train.parallel import BuiltModel, gpt_pipeline_names, state_aliases
 
 log = logging.getLogger("shardwise.train")
 
@@ -120,7 +120,7 @@ def load_model(cfg: GPTConfig, final_model: Path, checkpoints: Path) -> tuple[GP
     step, where, tensors = max(found, key=lambda item: item[0])
     model = GPT(cfg)
     if "tok_emb.weight" not in tensors:  # a pipeline-parallel run's checkpoint: its names
-        renamed = pipeline_names(model)
+        renamed = gpt_pipeline_names(model)
         tensors = {renamed.get(k, k): v for k, v in tensors.items()}
         tensors.update({a: tensors[f] for a, f in state_aliases(model).items() if f in tensors})
     own = model.state_dict()

@@ -83,7 +83,7 @@ class Trainer:
         )
         engine_cfg = run_dir.engine_config(run.engine)  # this run dir's checkpoints, always
         engine_cfg = engine_cfg.replace(resume="auto") if resume else engine_cfg
-        self.engine: Engine = shardwise.initialize(model, optimizer, engine_cfg, group=self.mesh)
+        self.engine: Engine = shardwise.initialize(self.built.parallelized, optimizer, engine_cfg)
         self.pipe = self.engine if isinstance(self.engine, PipelineEngine) else None
         self.sampler = DistributedBatchSampler(
             self.corpus.train,

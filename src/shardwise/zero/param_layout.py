@@ -1,6 +1,6 @@
 """Where a rank's local parameter sits in the saved (global) tensor.
 
-A parameter split by a parallel layer (tensor parallelism, ``placement.mark_sharded``) is saved
+A parameter split by a parallel layer (its ``Placement``, e.g. tensor parallelism) is saved
 under its whole, unpadded shape: each rank's piece is a box at its offsets, padding rows cut,
 and a piece that other ranks of a mesh group hold identical copies of (a tp-replicated norm
 weight) is written by one of them only. ZeRO's flat ranges are ranges of the *local* tensor;
@@ -11,11 +11,10 @@ checkpoint written at one (dp, tp) layout reads back at any other. Nothing here 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from shardwise.checkpoint.entries import (
     Box,
@@ -25,8 +24,6 @@ from shardwise.checkpoint.entries import (
     local_slices,
 )
 from shardwise.checkpoint.reader import CheckpointReader
-from shardwise.comm.groups import Group
-from shardwise.parallel.placement import Placement
 
 
 @dataclass(frozen=True)
@@ -49,37 +46,11 @@ class ParamLayout:
         """A parameter that is not split: local and global are the same tensor."""
         return cls(tuple(shape), (0,) * len(shape), tuple(shape), tuple(shape))
 
-    @classmethod
-    def of(
-        cls, local: tuple[int, ...], where: Placement, copies: tuple[Group, ...] = ()
-    ) -> ParamLayout:
-        """The layout of a local tensor of shape ``local`` placed as ``where``; ``copies``:
-        groups whose ranks hold the same piece (only their first rank writes it)."""
-        offsets, real = where.real_box(local)
-        writes = all(g.rank == 0 for g in copies)
-        return cls(tuple(local), offsets, real, where.full_shape(local), writes)
-
     def _real(self) -> Box:
         return (0,) * len(self.local_shape), self.real_shape
 
     def _to_global(self, box: Box) -> tuple[int, ...]:
         return tuple(o + g for o, g in zip(box[0], self.offsets))
-
-
-def param_layouts(
-    module: nn.Module, placement: Callable[[torch.Tensor], Placement], dp: Group
-) -> dict[int, ParamLayout]:
-    """Each split or mesh-replicated parameter of ``module`` by id: pieces of split parameters
-    at their offsets (padding cut); a piece that the ranks of a mesh group other than ``dp``
-    hold identical copies of is written by the first of them only. ``placement``: the engine's
-    (its ``replicated`` groups name the copies)."""
-    out: dict[int, ParamLayout] = {}
-    for p in module.parameters():
-        where = placement(p)
-        copies = tuple(g for g in where.replicated if g is not dp)
-        if where.shards or copies:
-            out[id(p)] = ParamLayout.of(tuple(p.shape), where, copies)
-    return out
 
 
 def layout_of(layouts: Mapping[int, ParamLayout], param: torch.Tensor) -> ParamLayout:

@@ -14,14 +14,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from shardwise.comm import ops
 from shardwise.comm.groups import Group
-from shardwise.parallel.placement import NormReduction
 from shardwise.precision import DynamicLossScaler
 from shardwise.zero.flat_param import FlatParam
+
+
+class NormReduction(Protocol):
+    """How the gradient norm is summed beyond ZeRO's dp slices (the engine derives it from the
+    parameters' placements: ``shardwise.parallel.placement.NormReduction``)."""
+
+    def counts(self, param: torch.Tensor) -> bool: ...
+
+    def reduce(self, sumsq: torch.Tensor) -> None: ...
 
 
 @dataclass(frozen=True)

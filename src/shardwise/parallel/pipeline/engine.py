@@ -11,7 +11,7 @@ loss = engine.train_batch(x, y)   # this dp rank's batch
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -20,7 +20,8 @@ from shardwise.comm import ops
 from shardwise.comm.groups import Group
 from shardwise.config import Config
 from shardwise.engine.core import Engine, SchedulerFactory
-from shardwise.mesh import AXIS_ORDER, Mesh
+from shardwise.engine.placements import ExtraStyles
+from shardwise.mesh import AXIS_ORDER, Axis, Mesh
 from shardwise.parallel.pipeline.executor import PipelineExecutor
 from shardwise.parallel.pipeline.stage import PipelineModule
 from shardwise.parallel.placement import Placement
@@ -41,10 +42,11 @@ def check_pipeline_config(pipe: PipelineModule, config: Config, group: Any) -> N
             f"zero_stage={config.zero_stage} is not supported with a PipelineModule; supported: "
             f"zero_stage 0, 1, 2 or 3 (over the dp axis of each stage)"
         )
-    if config.pipeline_virtual_stages != pipe.virtual_stages:
+    if config.pipeline_virtual_stages not in (None, pipe.virtual_stages):
         raise ValueError(
             f"pipeline_virtual_stages={config.pipeline_virtual_stages} but the PipelineModule "
-            f"was built with virtual_stages={pipe.virtual_stages}; make them equal"
+            f"was built with virtual_stages={pipe.virtual_stages}; leave "
+            "pipeline_virtual_stages out (the PipelineModule states it)"
         )
 
 
@@ -79,9 +81,10 @@ class PipelineEngine(Engine):
         config: Config,
         group: Mesh,
         lr_scheduler: SchedulerFactory | None = None,
+        placements: Mapping[str, Placement] | None = None,
     ) -> None:
         check_pipeline_config(pipe, config, group)
-        super().__init__(pipe, optimizer, config, group=group, lr_scheduler=lr_scheduler)
+        super().__init__(pipe, optimizer, config, group, lr_scheduler, placements)
         self.pipe = pipe
         self.executor = PipelineExecutor(
             pipe, config.pipeline_schedule, config.pipeline_microbatches
@@ -95,23 +98,15 @@ class PipelineEngine(Engine):
         """Every rank of the mesh steps together: all of them agree on fp16 overflow."""
         return self.mesh.group(*AXIS_ORDER) if self.mesh is not None else None
 
-    def placement(self, param: torch.Tensor) -> Placement:
-        """As ``Engine.placement``; a tied parameter is also replicated over the pp ranks
-        holding its copies (a checkpoint stores it once, from the first holder)."""
-        where = super().placement(param)
-        tied = self.pipe.tied_group_of(param)
-        if tied is None:
-            return where
-        return dataclasses.replace(where, replicated=(*where.replicated, tied))
+    def _extra_styles(self, model: torch.nn.Module) -> ExtraStyles:
+        """Every parameter belongs to its pp stage; a tied one is copied on its holders (a
+        checkpoint stores it once, from the first; the norm counts it once)."""
+        assert isinstance(model, PipelineModule)
+        return lambda name, p: {Axis.PP: model.stage_style(p)}
 
     def writes_buffer(self, name: str) -> bool:
         """Each stage writes its own buffers; a tied module's, its first holder only."""
         return super().writes_buffer(name) and not self.pipe.is_tied_copy(name)
-
-    def _counted_elsewhere(self, model: torch.nn.Module) -> list[torch.nn.Parameter]:
-        """Tied weights whose first holder is another pp rank: the norm counts them once."""
-        assert isinstance(model, PipelineModule)
-        return model.tied_copies()
 
     def _chunks(self, t: torch.Tensor, what: str) -> list[torch.Tensor]:
         accum = self.config.gradient_accumulation_steps

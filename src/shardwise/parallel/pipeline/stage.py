@@ -18,6 +18,7 @@ from shardwise import comm
 from shardwise.comm import ops
 from shardwise.mesh import Axis, Mesh
 from shardwise.parallel.pipeline.partition import partition_layers
+from shardwise.parallel.placement import StageOwned
 
 
 class LayerSpec:
@@ -267,13 +268,13 @@ class PipelineModule(nn.Module):
                 grads.append(p.grad)
             ops.all_reduce_coalesced(grads, op="sum", group=g)
 
-    def tied_group_of(self, param: torch.Tensor) -> comm.Group | None:
-        """The group of pp ranks holding copies of tied parameter ``param`` (None: not tied,
-        or held by this rank alone); its first rank holds the saved copy."""
-        for key, g in self._tied_groups.items():
+    def stage_style(self, param: torch.Tensor) -> StageOwned:
+        """``param``'s placement along pp: this stage's own, or a tied module's copy held by
+        the pp ranks ``holders`` (the first holds the saved copy)."""
+        for key in self._tied_groups:
             if any(param is p for p in self.tied[key].parameters()):
-                return g
-        return None
+                return StageOwned(tuple(self.tied_holders(key)))
+        return StageOwned()
 
     def is_tied_copy(self, name: str) -> bool:
         """Whether state-dict key ``name`` belongs to a tied module whose saved copy is on
@@ -282,16 +283,6 @@ class PipelineModule(nn.Module):
             name.startswith(f"tied.{key}.") and self.tied_holders(key)[0] != self.pp_rank
             for key in self._tied_groups
         )
-
-    def tied_copies(self) -> list[nn.Parameter]:
-        """Tied parameters whose saved copy is on another pp rank (this rank is a holder but
-        not the first): count them once, e.g. in the gradient norm."""
-        return [
-            p
-            for key in self._tied_groups
-            if self.tied_holders(key)[0] != self.pp_rank
-            for p in self.tied[key].parameters()
-        ]
 
     def forward_stage(self, stage: int, x: torch.Tensor) -> torch.Tensor:
         """Run ``x`` through the layers of ``stage`` (one of this rank's), as one call of this

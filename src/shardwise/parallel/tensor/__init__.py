@@ -1,13 +1,15 @@
 """Tensor and sequence parallelism over a mesh's ``tp`` axis (Megatron-LM style).
 
-    tp = shardwise.parallel.tensor.parallelize(model, mesh, shardwise.models.gpt.tp_plan(),
-                                  sequence_parallel=True)
-    loss = model(x, y); loss.backward(); optimizer.step()
+    tp = shardwise.parallel.tensor.parallelize(
+        model, mesh, shardwise.parallel.plans.gpt.tp_plan(), sequence_parallel=True
+    )
+    engine = shardwise.initialize(model, optimizer, config, group=mesh,
+                                  placements=tp.placements)
 
 Parallel layers are explicit autograd functions over ``shardwise.comm``: every byte is counted.
 """
 
-from shardwise.parallel.tensor import plans, rng
+from shardwise.parallel.tensor import rng
 from shardwise.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from shardwise.parallel.tensor.layers import (
     ColumnParallelLinear,
@@ -16,7 +18,6 @@ from shardwise.parallel.tensor.layers import (
     VocabParallelEmbedding,
 )
 from shardwise.parallel.tensor.parallelize import TensorParallel, parallelize
-from shardwise.parallel.tensor.placement import TPPlacement
 from shardwise.parallel.tensor.plan import STYLES
 
 __all__ = [
@@ -24,11 +25,9 @@ __all__ = [
     "ColumnParallelLinear",
     "Region",
     "RowParallelLinear",
-    "TPPlacement",
     "TensorParallel",
     "VocabParallelEmbedding",
     "parallelize",
-    "plans",
     "rng",
     "vocab_parallel_cross_entropy",
 ]

@@ -18,7 +18,7 @@ from torch import nn
 from shardwise.comm.objects import all_gather_object
 from shardwise.mesh import Axis, Mesh
 from shardwise.parallel.pipeline.stage import PipelineModule
-from shardwise.parallel.placement import mark_sharded
+from shardwise.parallel.placement import Placement, Replicate, Shard
 from shardwise.parallel.tensor import mappings, rng, state
 from shardwise.parallel.tensor.entry import SequenceEntries, gather_on_entry
 from shardwise.parallel.tensor.layers import (
@@ -27,13 +27,13 @@ from shardwise.parallel.tensor.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from shardwise.parallel.tensor.placement import TPPlacement
 from shardwise.parallel.tensor.plan import PLACE_STYLES, resolve, unmatched_error
 
 
 class TensorParallel:
-    """What ``parallelize`` did to a model: each parameter's placement over tp, full state
-    dicts, and this rank's dropout stream for tp-sharded regions."""
+    """What ``parallelize`` did to a model: each parameter's placement along tp (a
+    ``Placement`` value per parameter name), full state dicts, and this rank's dropout stream
+    for tp-sharded regions."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, sequence_parallel: bool) -> None:
         self.model = model
@@ -43,10 +43,11 @@ class TensorParallel:
         self.sequence_parallel = sequence_parallel
         self.region = Region(self.group, sequence_parallel)
         self.entries: SequenceEntries | None = None  # the plan's sequence_entry modules, under SP
-        self._by_id: dict[int, TPPlacement] = {}
+        # this record's own view of the model's parameter objects while it splits them
+        self._by_id: dict[int, Placement] = {}
 
     # ---- placements ---------------------------------------------------------------------
-    def placement_of(self, param: torch.Tensor) -> TPPlacement:
+    def placement_of(self, param: torch.Tensor) -> Placement:
         """The placement of one of the model's parameters (replicated if never sharded)."""
         got = self._by_id.get(id(param))
         if got is None:
@@ -54,37 +55,39 @@ class TensorParallel:
         return got
 
     @property
-    def placements(self) -> dict[str, TPPlacement]:
-        """``{parameter name: placement}`` for every distinct parameter of the model."""
-        return {name: self._by_id[id(p)] for name, p in self.model.named_parameters()}
+    def placements(self) -> dict[str, Placement]:
+        """``{parameter name: placement}`` for every parameter name of the model (a tied
+        parameter under each of its names, its first name inside the value)."""
+        return {name: self._by_id[id(p)] for name, p in _named_params(self.model)}
 
-    def _place(self, param: torch.Tensor, placement: TPPlacement, owner: str) -> None:
+    def _place(self, param: torch.Tensor, placement: Placement, owner: str) -> None:
         seen = self._by_id.get(id(param))
         if seen is not None:
-            if (seen.dim, seen.full_shape) != (placement.dim, placement.full_shape):
+            if (seen.style(Axis.TP), seen.full_shape) != (
+                placement.style(Axis.TP),
+                placement.full_shape,
+            ):
                 raise ValueError(
                     f"parameter {seen.name!r} is tied into {owner!r} with another layout: "
-                    f"dim {seen.dim} of {seen.full_shape} there, dim {placement.dim} of "
-                    f"{placement.full_shape} here; tied layers must split the same way"
+                    f"{seen.style(Axis.TP)} of {seen.full_shape} there, "
+                    f"{placement.style(Axis.TP)} of {placement.full_shape} here; tied layers "
+                    "must split the same way"
                 )
             return
         self._by_id[id(param)] = placement
-        if placement.sharded:
+        if placement.shards:
             with torch.no_grad():
-                param.data = placement.shard(param.data)
-            # tell the engine: ZeRO shards it over dp on top, the gradient norm sums it over tp
-            assert placement.dim is not None
-            full = placement.full_shape[placement.dim]
-            padded = full if placement.padded else None
-            mark_sharded(param, self.group, placement.dim, full_size=padded)
+                param.data = placement.shard_of(param.data)
 
     def _shard(self, param: torch.Tensor, name: str, full: tuple[int, ...], dim: int) -> None:
-        self._place(param, TPPlacement(name, full, dim, self.tp_size, self.tp_rank), name)
+        padded = full[dim] if full[dim] % self.tp_size else None
+        style = Shard(dim, padded) if self.tp_size > 1 else Replicate()
+        self._place(param, Placement.on(self.mesh, name, full, {Axis.TP: style}), name)
 
     def _replicate(self, param: torch.Tensor, name: str, partial: bool) -> None:
-        p = TPPlacement(name, tuple(param.shape), None, self.tp_size, self.tp_rank, partial)
+        style = Replicate(partial and self.tp_size > 1)
         fresh = id(param) not in self._by_id
-        self._place(param, p, name)
+        self._place(param, Placement.on(self.mesh, name, param.shape, {Axis.TP: style}), name)
         if fresh and partial and self.tp_size > 1 and param.requires_grad:
             # Sum over tp each backward's gradient before it is accumulated: every tp rank
             # then holds the full gradient, whatever accumulates or reduces it next (a plain
@@ -95,7 +98,7 @@ class TensorParallel:
     def partial_params(self) -> list[nn.Parameter]:
         """Replicated parameters used on 1/tp of the sequence (under SP): each backward
         all-reduces their gradient over tp before accumulating it (one all_reduce each)."""
-        return [p for p in self.model.parameters() if self._by_id[id(p)].partial]
+        return [p for p in self.model.parameters() if self._by_id[id(p)].partial_axes]
 
     # ---- full (unsharded) state ---------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -104,7 +107,7 @@ class TensorParallel:
 
         Communicates: one all_gather over tp per sharded tensor.
         """
-        return state.full_state_dict(self.model, self._by_id, self.group)
+        return state.full_state_dict(self.model, self._by_id, self.mesh.group)
 
     def gather_state_dict(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The full state dict from a tp-local one under the model's names (e.g. copies of
@@ -115,7 +118,7 @@ class TensorParallel:
             for n, t in self.model.state_dict(keep_vars=True).items()
             if id(t) in self._by_id
         }
-        return state.gather_state_dict(local, names, self.group)
+        return state.gather_state_dict(local, names, self.mesh.group)
 
     def load_full_state_dict(self, full: Mapping[str, torch.Tensor]) -> None:
         """Load an unsharded state dict (as ``full_state_dict`` returns): each rank copies in
@@ -127,6 +130,10 @@ class TensorParallel:
         """Run the body (e.g. dropout on local heads) on this tp rank's own random stream."""
         with rng.fork(self.tp_rank):
             yield
+
+
+def _named_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return list(model.named_parameters(remove_duplicate=False))
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:

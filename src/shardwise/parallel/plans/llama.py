@@ -1,12 +1,9 @@
-"""Ready-made tensor-parallel plans for model families outside shardwise.
-
-The built-in GPT's plan lives beside it: ``shardwise.models.gpt.tp_plan()``.
-"""
+"""The tensor-parallel plan for Hugging Face Llama (and models that copy its naming)."""
 
 from __future__ import annotations
 
 
-def llama() -> dict[str, str]:
+def tp_plan() -> dict[str, str]:
     """Plan for Hugging Face ``LlamaForCausalLM`` naming (and models that copy it).
 
     Attention is split by heads (q, k, v column-parallel; o row-parallel), the MLP by its

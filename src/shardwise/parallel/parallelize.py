@@ -1,0 +1,140 @@
+"""``shardwise.parallelize``: every parallelism that changes the model, applied from outside in
+one order: pipeline split, tensor (and sequence) parallelism, recompute. ZeRO over the
+data-parallel axis comes after, in ``shardwise.initialize``, which takes the result.
+
+    mesh = shardwise.Mesh(pp=2, tp=2)
+    plan = shardwise.parallel.plans.gpt.plan(cfg, mesh)
+    parallelized = shardwise.parallelize(GPT(cfg), mesh, plan)
+    engine = shardwise.initialize(parallelized, torch.optim.AdamW, config)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.mesh import Mesh
+from shardwise.parallel.pipeline.stage import Entry, PipelineModule, Tied
+from shardwise.parallel.placement import Placement
+from shardwise.parallel.tensor.parallelize import TensorParallel
+from shardwise.parallel.tensor.parallelize import parallelize as tensor_parallelize
+from shardwise.recompute import apply_activation_checkpointing
+
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PipelineSplit:
+    """How to cut a model into pipeline stages.
+
+    ``layers``: the model as a flat list of pipeline entries (modules, ``LayerSpec``,
+    ``LayerFn``, ``Tied``); ``loss_fn``: the last stage's loss on its output and the targets;
+    ``partition``: ``"parameters"`` (balance parameter counts), ``"uniform"`` or explicit
+    bounds (see ``PipelineModule``); ``virtual_stages``: stages per pp rank (interleaved
+    schedules), stated here once."""
+
+    layers: Callable[[nn.Module], Sequence[Entry]]
+    loss_fn: Loss
+    partition: Any = "parameters"
+    virtual_stages: int = 1
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """What ``parallelize`` applies, in this order.
+
+    ``pipeline``: the split into stages over the mesh's pp axis (None: no pipeline);
+    ``tensor``: a tensor-parallel plan ``{module-name pattern: style}`` over the tp axis, under
+    the names of the model after the split (see ``shardwise.parallel.tensor.plan.STYLES``);
+    ``sequence_parallel``: run its ``sequence`` modules on 1/tp of the sequence;
+    ``recompute``: module class names or name patterns whose activations are recomputed in
+    backward (``shardwise.recompute.apply_activation_checkpointing``)."""
+
+    tensor: Mapping[str, str] | None = None
+    sequence_parallel: bool = False
+    pipeline: PipelineSplit | None = None
+    recompute: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class Parallelized:
+    """A model with its parallelisms applied, and where each of its parameters lives.
+
+    ``module``: the model (or this pp rank's ``PipelineModule``), tp-split;
+    ``placements``: one ``Placement`` per parameter name of ``module`` (the tp axis; the
+    engine adds the data-parallel and pipeline axes); ``tensor``: the tensor-parallel record
+    (full state dicts, the tp dropout stream), or None; ``names``: a pipeline's parameter
+    names -> the unsplit model's (``layers.3.attn.q_proj.weight`` -> ``blocks.1.attn...``),
+    empty without a pipeline."""
+
+    module: nn.Module
+    mesh: Mesh
+    placements: Mapping[str, Placement]
+    tensor: TensorParallel | None = None
+    names: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def pipeline(self) -> PipelineModule | None:
+        return self.module if isinstance(self.module, PipelineModule) else None
+
+
+def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Parallelized:
+    """Apply ``plan`` to ``model`` over ``mesh``, in order: pipeline split (this pp rank keeps
+    its stages), tensor and sequence parallelism, recompute. Pass the result to
+    ``shardwise.initialize``.
+
+    Raises ``ValueError``/``TypeError`` naming the module or pattern for a plan that does not
+    fit the model or the mesh (see ``shardwise.parallel.tensor.parallelize``).
+    Communicates: with a pipeline, the tied modules' groups and one broadcast per tied tensor
+    (``PipelineModule``), and one all_gather_object over pp of the tensor plan's unmatched
+    patterns.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a shardwise Mesh, got {type(mesh).__name__}")
+    if not isinstance(plan, ParallelPlan):
+        raise TypeError(f"plan must be a shardwise.ParallelPlan, got {type(plan).__name__}")
+    module, names = model, {}
+    if plan.pipeline is not None:
+        split = plan.pipeline
+        entries = list(split.layers(model))
+        names = pipeline_names(model, entries)
+        module = PipelineModule(
+            entries, split.loss_fn, mesh, split.partition, virtual_stages=split.virtual_stages
+        )
+    elif mesh.pp_size > 1:
+        raise ValueError(
+            f"the mesh has pp={mesh.pp_size} but the plan has no pipeline split: give "
+            "ParallelPlan(pipeline=PipelineSplit(...)) or a mesh with pp=1"
+        )
+    tensor = None
+    if plan.tensor is not None:
+        tensor = tensor_parallelize(module, mesh, plan.tensor, plan.sequence_parallel)
+    elif plan.sequence_parallel:
+        raise ValueError("sequence_parallel needs a tensor-parallel plan (ParallelPlan(tensor=))")
+    if plan.recompute:
+        apply_activation_checkpointing(module, list(plan.recompute))
+    placements = tensor.placements if tensor is not None else {}
+    return Parallelized(module, mesh, placements, tensor, names)
+
+
+def pipeline_names(model: nn.Module, entries: Sequence[Entry]) -> dict[str, str]:
+    """``PipelineModule`` parameter names of ``entries`` (``layers.{i}.*`` by index,
+    ``tied.{key}.*``) -> ``model``'s own names, for entries made of ``model``'s modules."""
+    own = {id(p): name for name, p in model.named_parameters()}
+    out: dict[str, str] = {}
+    for i, entry in enumerate(entries):
+        prefix, module = (
+            (f"tied.{entry.key}", entry.source)
+            if isinstance(entry, Tied)
+            else (f"layers.{i}", entry)
+        )
+        if not isinstance(module, nn.Module):
+            continue  # built from a spec on its stage: not one of the model's modules
+        for n, p in module.named_parameters():
+            if id(p) in own:
+                out[f"{prefix}.{n}"] = own[id(p)]
+    return out
