@@ -12,7 +12,6 @@ from shardwise.parallel import tensor as swtp
 from shardwise.mesh import Mesh
 from shardwise.models.gpt import GPT
 from shardwise.parallel.plans.gpt import tp_plan
-from shardwise.parallel.placement import shard_of_full
 
 VOCAB = 37  # not divisible by tp: the embedding and head are padded
 
@@ -93,7 +92,7 @@ def state_dict_round_trip(dp: int, tp_size: int, stage: int) -> dict:
     with fresh.gathered_parameters():
         for name, p in fresh.module.named_parameters():
             where = fresh.placement(p)
-            piece = shard_of_full(ref.state_dict()[name], where, p.shape)
+            piece = where.shard_of(ref.state_dict()[name])
             assert torch.equal(p.detach(), piece), f"{name}: not this rank's piece"
     loss = fresh(x.chunk(dp)[mesh.rank("dp")], y.chunk(dp)[mesh.rank("dp")]).detach() / dp
     shardwise.comm.all_reduce(loss, group=fresh.group)
