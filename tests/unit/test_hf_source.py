@@ -201,3 +201,37 @@ def test_reads_outside_the_tensor_or_across_dtype_kinds_are_refused(tmp_path):
         with pytest.raises(WeightsError, match=r"'w'.*flat range"):
             source.read_flat("w", 4, 7)
         assert source.bytes_read == 0
+
+
+def test_a_shardwise_checkpoint_reads_like_a_hugging_face_directory(llama, tmp_path):
+    import shardwise
+    from shardwise.checkpoint import ShardEntry, entries_of_flat_range, save_checkpoint
+    from shardwise.hf import CheckpointWeights, map_names, model_spec
+
+    state = llama.state_dict()
+    entries = []
+    for i, (name, full) in enumerate(state.items()):  # bf16 on disk, half row-split, half flat
+        full = full.to(torch.bfloat16)
+        if i % 2:
+            entries.append(ShardEntry(f"model/{name}", tuple(full.shape), (0,) * full.dim(), full))
+        else:
+            cut = full.numel() // 3 + 1
+            for lo, hi in [(0, cut), (cut, full.numel())]:
+                entries += entries_of_flat_range(
+                    f"model/{name}", tuple(full.shape), lo, full.reshape(-1)[lo:hi]
+                )
+    shardwise.init(backend="gloo")
+    try:
+        save_checkpoint(tmp_path, 1, entries, {}, None)
+    finally:
+        shardwise.shutdown()
+    with CheckpointWeights(tmp_path) as source:
+        mapping = map_names(model_spec(llama), source)
+        assert mapping.complete
+        embed = state["model.embed_tokens.weight"].to(torch.bfloat16).float()
+        box = source.read_box("model.embed_tokens.weight", (0, 8), (96, 8), torch.float32)
+        assert torch.equal(box, embed[:, 8:16]) and source.bytes_read == 96 * 8 * 2
+        flat = source.read_flat("model.embed_tokens.weight", 45, 1000, torch.float32)
+        assert torch.equal(flat, embed.reshape(-1)[45:1000])
+        with pytest.raises(WeightsError, match=r"cannot be read as torch.int64"):
+            source.read_flat("model.norm.weight", 0, 4, torch.int64)

@@ -26,9 +26,11 @@ merging: :func:`lora_merge_plan` + :func:`merge_lora` inside a ``produce`` for
 Modules: ``errors`` (:class:`WeightsError`), ``header`` (safetensors headers checked against the
 file size), ``model_dir`` (file names, index), ``source`` (reads), ``names`` (name mapping),
 ``shard_plan`` (files of whole tensors), ``stream_file`` (one file, tensor by tensor), ``writer``
-(the directory), ``side_files`` (configs, tokenizer), ``peft_adapter`` (LoRA).
+(the directory), ``side_files`` (configs, tokenizer), ``peft_adapter`` (LoRA),
+``checkpoint_source`` (a shardwise checkpoint behind the same reads: :class:`CheckpointWeights`).
 """
 
+from shardwise.hf.checkpoint_source import CheckpointWeights
 from shardwise.hf.errors import WeightsError
 from shardwise.hf.header import TensorInfo, read_header
 from shardwise.hf.model_dir import WeightFiles, shard_name, weight_files
@@ -55,6 +57,7 @@ from shardwise.hf.source import SafetensorsSource, open_weights
 from shardwise.hf.writer import index_json, write_model_dir
 
 __all__ = [
+    "CheckpointWeights",
     "LoraDelta",
     "Mismatch",
     "ModelSpec",

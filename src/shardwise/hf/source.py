@@ -17,7 +17,7 @@ import math
 from collections import OrderedDict
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -33,7 +33,28 @@ DEFAULT_MAX_OPEN_FILES = 8
 """Open files kept at once; the least recently used is closed past this."""
 
 
-class SafetensorsSource:
+_R = TypeVar("_R", bound="ClosesOnExit")
+
+
+class ClosesOnExit:
+    """``with`` support for a reader: :meth:`close` when the block is left."""
+
+    def close(self) -> None:
+        """Release what the reader holds open."""
+
+    def __enter__(self: _R) -> _R:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class SafetensorsSource(ClosesOnExit):
     """Random access to the tensors of one or more safetensors files.
 
     Args:
@@ -97,7 +118,7 @@ class SafetensorsSource:
         info = self.info(name)
         _check_box(info, name, tuple(offsets), tuple(shape))
         target = dtype or info.dtype
-        _check_conversion(info, name, target)
+        check_conversion(info.dtype, target, info.file, name)
         if math.prod(shape) == 0:
             return torch.empty(shape, dtype=target)
         handle = self._handle(info.file)
@@ -128,7 +149,7 @@ class SafetensorsSource:
                 name,
             )
         target = dtype or info.dtype
-        _check_conversion(info, name, target)
+        check_conversion(info.dtype, target, info.file, name)
         out = torch.empty(stop - start, dtype=target)
         for (offsets, shape), lo in flat_range_boxes(info.shape, start, stop):
             n = math.prod(shape)
@@ -158,17 +179,6 @@ class SafetensorsSource:
     def close(self) -> None:
         """Release the open files."""
         self._handles.clear()
-
-    def __enter__(self) -> SafetensorsSource:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def open_weights(
@@ -235,11 +245,12 @@ def _check_box(
         )
 
 
-def _check_conversion(info: TensorInfo, name: str, dtype: torch.dtype) -> None:
-    if info.dtype.is_floating_point != dtype.is_floating_point:
+def check_conversion(stored: torch.dtype, dtype: torch.dtype, path: Path, name: str) -> None:
+    """WeightsError unless values stored as ``stored`` keep their meaning as ``dtype``."""
+    if stored.is_floating_point != dtype.is_floating_point:
         raise WeightsError(
-            f"is stored as {info.dtype} and cannot be read as {dtype}: only float <-> float "
+            f"is stored as {stored} and cannot be read as {dtype}: only float <-> float "
             f"and int <-> int conversions keep the values",
-            info.file,
+            path,
             name,
         )
