@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -86,6 +87,20 @@ def write_bytes_durably(path: Path, data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically: ``<path>.tmp``, fsync, rename.
+
+    A failure removes the temp file and leaves ``path`` as it was. The directory is not fsynced
+    here: callers fsync it once for many files (:func:`fsync_dir`).
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        write_bytes_durably(tmp, data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def save_safetensors(
     path: Path | str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
 ) -> None:
@@ -99,16 +114,11 @@ def save_safetensors(
         raise ValueError(f"{out} is a directory; give a file name, e.g. {out}/model.safetensors")
     if not out.parent.is_dir():
         raise ValueError(f"{out.parent} does not exist; create it or write elsewhere")
-    tmp = out.with_name(out.name + ".tmp")
-    try:
-        data = safetensors_bytes(
-            {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
-            metadata={"format": "pt", **(metadata or {})},
-        )
-        write_bytes_durably(tmp, data)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    data = safetensors_bytes(
+        {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+        metadata={"format": "pt", **(metadata or {})},
+    )
+    write_atomically(out, data)
     fsync_dir(out.parent.resolve())
 
 
@@ -140,20 +150,34 @@ class _HashingSink:
         self.written += len(buf)
 
 
-def _header(pieces: list[tuple[str, torch.Tensor]]) -> bytes:
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+def safetensors_header(
+    specs: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+    metadata: dict[str, str] | None = None,
+) -> bytes:
+    """The header bytes (length prefix included) of a safetensors file holding tensors
+    ``(key, dtype, shape)`` back to back in this order; ``metadata`` joins ``format: pt``."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
-    for key, t in pieces:
-        nbytes = t.numel() * t.element_size()
+    for key, dtype, shape in specs:
+        nbytes = math.prod(shape) * dtype.itemsize
         header[key] = {
-            "dtype": SAFETENSORS_DTYPES[t.dtype],
-            "shape": list(t.shape),
+            "dtype": SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
             "data_offsets": [offset, offset + nbytes],
         }
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
+
+
+def tensor_chunks(t: torch.Tensor) -> Iterator[memoryview]:
+    """The bytes of contiguous CPU tensor ``t`` in row-major order, in chunks, without a copy."""
+    if t.numel() == 0:
+        return
+    data = t.reshape(-1).view(torch.uint8).numpy().data  # zero-copy bytes of t
+    for lo in range(0, len(data), WRITE_CHUNK_BYTES):
+        yield data[lo : lo + WRITE_CHUNK_BYTES]
 
 
 def write_shard_file(
@@ -169,17 +193,14 @@ def write_shard_file(
     Returns:
         ``(size_bytes, sha256 hex)`` of the bytes written.
     """
-    head = _header(pieces)
+    head = safetensors_header([(key, t.dtype, t.shape) for key, t in pieces])
     total = len(head) + sum(t.numel() * t.element_size() for _, t in pieces)
     with open(path, "wb") as f:
         sink = _HashingSink(f, total // 2 if midway else None, midway)
         sink.write(memoryview(head))
         for _, t in pieces:
-            if t.numel() == 0:
-                continue
-            data = t.reshape(-1).view(torch.uint8).numpy().data  # zero-copy bytes of t
-            for lo in range(0, len(data), WRITE_CHUNK_BYTES):
-                sink.write(data[lo : lo + WRITE_CHUNK_BYTES])
+            for chunk in tensor_chunks(t):
+                sink.write(chunk)
         f.flush()
         os.fsync(f.fileno())
     assert sink.written == total, (sink.written, total)
