@@ -301,7 +301,8 @@ def test_estimate_cli_with_pp(capsys: pytest.CaptureFixture[str]) -> None:
     cfg = GPTConfig.named("small")
     out = _estimate(capsys, "--model", "small", "--world-size", "8", "--pp", "2", "--tp", "2")
     assert "8 ranks = dp 2 x tp 2 x pp 2" in out and "pipeline 1f1b, 2 micro-batches" in out
-    ranks = ppe.gpt_pipeline_estimate(cfg, 2, "1f1b", 2, 16, cfg.seq_len, tp=2)
+    # --micro-batch 16 (the default) splits into 2 pipeline micro-batches of 8, as in train
+    ranks = ppe.gpt_pipeline_estimate(cfg, 2, "1f1b", 2, 8, cfg.seq_len, tp=2)
     for r in ranks:
         assert f"{r.params:,}" in out
     states = [estimate_model_states(r.params, 2)[0].device_bytes for r in ranks]
@@ -309,7 +310,10 @@ def test_estimate_cli_with_pp(capsys: pytest.CaptureFixture[str]) -> None:
     assert f"{peak / 2**20:.2f} MiB" in out
     for argv, match in (
         (["--microbatches", "4"], "--microbatches describes a pipeline"),
-        (["--pp", "3", "--world-size", "4"], "must divide --world-size 4"),
+        (
+            ["--pp", "3", "--world-size", "4"],
+            "--pp 3 does not divide --world-size 4: use --world-size 3 or 6",
+        ),
         (["--pp", "2", "--world-size", "2", "--microbatches", "0"], "--microbatches must be"),
     ):
         with pytest.raises(ValueError, match=match):

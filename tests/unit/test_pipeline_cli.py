@@ -40,4 +40,6 @@ def test_simulate_zb_h1_with_message_time(capsys: pytest.CaptureFixture[str]) ->
 def test_simulate_refuses_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     args = "--schedule interleaved_1f1b --stages 4 --microbatches 6 --virtual-stages 2"
     assert _simulate(args) == 2
-    assert "divisible by the pp size" in capsys.readouterr().err
+    assert (
+        "needs --microbatches divisible by --stages 4, got 6: use 4 or 8" in capsys.readouterr().err
+    )

@@ -90,16 +90,19 @@ def test_bad_tensor_parallel_layouts_are_one_line(capsys, tmp_path, argv, expect
     [
         (["--pp", "3"], "--pp 3 does not divide the 2 ranks"),
         (["--nproc-per-node", "4", "--pp", "2", "--tp", "4"], "--tp 4 x --pp 2 does not divide"),
-        (["--nproc-per-node", "8", "--pp", "8"], "6 pipeline layers cannot fill 8 stages"),
+        (
+            ["--nproc-per-node", "8", "--pp", "8"],
+            "2 transformer blocks cannot fill 8 pipeline stages",
+        ),
         (["--pp", "2", "--microbatches", "0"], "--microbatches must be >= 1, got 0"),
         (["--pp", "2", "--microbatches", "3"], "--micro-batch 8 does not split into"),
         (["--pp", "2", "--schedule", "pipedream"], "--schedule must be one of gpipe, 1f1b"),
         (
             ["--pp", "2", "--schedule", "interleaved_1f1b", "--microbatches", "3"],
-            "interleaved_1f1b needs microbatches divisible by the pp size",
+            "interleaved_1f1b needs --microbatches divisible by --pp 2, got 3: use 2 or 4",
         ),
-        (["--microbatches", "2"], "--schedule and --microbatches run a pipeline: add --pp > 1"),
-        (["--schedule", "gpipe"], "--schedule and --microbatches run a pipeline: add --pp > 1"),
+        (["--microbatches", "2"], "--microbatches describes a pipeline: add --pp > 1"),
+        (["--schedule", "gpipe"], "--schedule describes a pipeline: add --pp > 1"),
     ],
 )
 def test_bad_pipeline_options_are_one_line(capsys, tmp_path, argv, expected):

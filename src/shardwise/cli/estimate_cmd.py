@@ -19,38 +19,34 @@ from shardwise.estimate import (
     parse_bytes,
 )
 from shardwise.models.gpt import MODEL_SIZES, GPTConfig
+from shardwise.parallel.layout import ESTIMATE_FLAGS, Layout, check_layout, gpt_dims
 from shardwise.parallel.pipeline import estimate as pp_estimate
 from shardwise.parallel.pipeline.schedule import SCHEDULES
 from shardwise.parallel.tensor import estimate as tp_estimate
 
 MAX_PARAMS = 10**15
 """Largest --params accepted (a thousand times the largest models trained)."""
-MAX_WORLD = 10**7
 MAX_TOKENS = 10**9
 """Largest micro-batch, sequence length, or their product, accepted."""
-MAX_MICROBATCHES = 4096
-"""Largest --microbatches accepted (the schedule is simulated action by action)."""
 
 _COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
 
-def parse_count(text: str) -> int:
-    """A parameter count: ``7e9``, ``7B``, ``125M``, ``1.5b`` or ``42000``."""
+def parse_count(text: str, flag: str = "--params", high: int = MAX_PARAMS) -> int:
+    """A count: ``7e9``, ``7B``, ``125M``, ``1.5b`` or ``42000``, a whole number in 1..high;
+    ``ValueError`` naming ``flag`` otherwise."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:e\d+)?|\.\d+)\s*([kmbgtKMBGT]?)\s*", text)
     if m is None:
-        raise ValueError(f"--params {text!r} is not a count: write e.g. 7e9, 7B or 125M")
+        raise ValueError(f"{flag} {text!r} is not a count: write e.g. 7e9, 7B or 125M")
     value = float(m.group(1)) * _COUNT_SUFFIX[m.group(2).lower()]
-    if not math.isfinite(value) or value < 1:
-        raise ValueError(f"--params must be at least 1, got {text!r}")
-    if value > MAX_PARAMS:
-        raise ValueError(f"--params {text} is beyond any model: at most {MAX_PARAMS:.0e}")
+    if not math.isfinite(value) or not 1 <= value <= high or not value.is_integer():
+        raise ValueError(f"{flag} must be a whole number in 1..{high:,}, got {text!r}")
     return round(value)
 
 
 def _check_sizes(args: argparse.Namespace) -> None:
     """Counts that cannot describe a real run are refused before any arithmetic."""
     for flag, value, high in (
-        ("--world-size", args.world_size, MAX_WORLD),
         ("--micro-batch", args.micro_batch, MAX_TOKENS),
         ("--seq-len", args.seq_len, MAX_TOKENS),
     ):
@@ -102,7 +98,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--micro-batch",
         type=int,
         default=16,
-        help="with --model: sequences per rank per micro-step (default 16)",
+        help="with --model: sequences per rank per micro-step; under --pp split into "
+        "--microbatches pipeline micro-batches (default 16)",
     )
     p.add_argument(
         "--seq-len",
@@ -136,7 +133,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--microbatches",
         type=int,
         default=None,
-        help="with --pp: micro-batches per step (default: --pp)",
+        help="with --pp: pipeline micro-batches --micro-batch splits into, as in train "
+        "(default: --pp)",
     )
     p.add_argument(
         "--virtual-stages",
@@ -188,26 +186,30 @@ def _model(args: argparse.Namespace) -> tuple[GPTConfig | None, int]:
     return cfg, cfg.param_count()
 
 
-def _check_pipeline(args: argparse.Namespace, cfg: GPTConfig | None) -> tuple[int, int]:
-    """``(dp, microbatches)`` of a --pp estimate; the pipeline flags need --pp > 1."""
-    if args.pp == 1:
-        for flag, value in (
-            ("--schedule", args.schedule),
-            ("--microbatches", args.microbatches),
-            ("--virtual-stages", None if args.virtual_stages == 1 else args.virtual_stages),
+def _check_layout(args: argparse.Namespace, cfg: GPTConfig | None) -> Layout:
+    """The layout the flags describe, checked as ``train`` checks it (``--micro-batch`` splits
+    into ``--microbatches`` pipeline micro-batches there too); tp, pp and sequence
+    parallelism need ``--model``."""
+    if cfg is None:
+        for flag, given in (
+            ("--tp", args.tp != 1),
+            ("--pp", args.pp != 1),
+            ("--sequence-parallel", args.sequence_parallel),
         ):
-            if value is not None:
-                raise ValueError(f"{flag} describes a pipeline: give it with --pp > 1")
-        return 0, 0
-    if cfg is None or args.pp < 1 or args.tp < 1 or args.world_size % (args.tp * args.pp):
-        raise ValueError(
-            f"--pp {args.pp} needs --model, and tp x pp = {args.tp} x {args.pp} must divide "
-            f"--world-size {args.world_size}"
-        )
-    m = args.pp if args.microbatches is None else args.microbatches
-    if not 1 <= m <= MAX_MICROBATCHES:
-        raise ValueError(f"--microbatches must be in 1..{MAX_MICROBATCHES}, got {m}")
-    return args.world_size // (args.tp * args.pp), m
+            if given:
+                raise ValueError(f"{flag} splits a model's layers: give --model, not --params")
+    layout = Layout(
+        world_size=args.world_size,
+        tp=args.tp,
+        pp=args.pp,
+        sequence_parallel=args.sequence_parallel,
+        schedule=args.schedule,
+        microbatches=args.microbatches,
+        virtual_stages=args.virtual_stages,
+    )
+    dims = None if cfg is None else gpt_dims(args.model, cfg, args.seq_len)
+    check_layout(layout, model=dims, micro_batch=args.micro_batch, flags=ESTIMATE_FLAGS)
+    return layout
 
 
 def _pipeline_table(ranks: list[pp_estimate.PipelineRankEstimate]) -> str:
@@ -221,17 +223,18 @@ def _pipeline_table(ranks: list[pp_estimate.PipelineRankEstimate]) -> str:
 
 
 def _run_pipeline(
-    args: argparse.Namespace, cfg: GPTConfig, num_params: int, device: int | None
+    args: argparse.Namespace, cfg: GPTConfig, layout: Layout, num_params: int, device: int | None
 ) -> int:
-    dp, m = _check_pipeline(args, cfg)
+    dp, m = layout.dp, layout.pipeline_microbatches
     seq_len = args.seq_len or cfg.seq_len
     schedule = args.schedule or "1f1b"
+    per_micro = args.micro_batch // m  # --micro-batch splits into m pipeline micro-batches
     ranks = pp_estimate.gpt_pipeline_estimate(
         cfg,
         args.pp,
         schedule,
         m,
-        args.micro_batch,
+        per_micro,
         seq_len,
         virtual_stages=args.virtual_stages,
         tp=args.tp,
@@ -250,7 +253,8 @@ def _run_pipeline(
     print()
     mode = f", tp={args.tp}" + (" + sequence parallel" if args.sequence_parallel else "")
     print(
-        f"pipeline {schedule}, {m} micro-batches of {args.micro_batch} x {seq_len} tokens, "
+        f"pipeline {schedule}, {m} micro-batches of {per_micro} x {seq_len} tokens "
+        f"(--micro-batch {args.micro_batch} split {m} ways), "
         f"{args.virtual_stages} virtual stage(s){mode}: parameters per rank and peak "
         "transformer-layer activations by recompute (Korthikanti et al., 16-bit)"
     )
@@ -280,16 +284,13 @@ def run_estimate(args: argparse.Namespace) -> int:
         )
     device = parse_bytes(args.device_memory) if args.device_memory else None
     cfg, num_params = _model(args)
-    _check_pipeline(args, cfg)
+    layout = _check_layout(args, cfg)
     if args.pp != 1:
-        assert cfg is not None  # _check_pipeline refuses --pp without --model
-        return _run_pipeline(args, cfg, num_params, device)
+        assert cfg is not None  # _check_layout refuses --pp without --model
+        return _run_pipeline(args, cfg, layout, num_params, device)
     dp, held = args.world_size, num_params
     if args.tp != 1:
-        if cfg is None or args.tp < 1 or args.world_size % args.tp:
-            raise ValueError(
-                f"--tp {args.tp} needs --model and must divide --world-size {args.world_size}"
-            )
+        assert cfg is not None  # _check_layout refuses --tp without --model
         sharded, replicated = tp_estimate.gpt_params_per_rank(cfg, args.tp)
         held, dp = sharded + replicated, args.world_size // args.tp
     estimates = estimate_model_states(

@@ -6,6 +6,15 @@ import argparse
 from fractions import Fraction
 from pathlib import Path
 
+from shardwise.parallel.layout import (
+    MAX_MICROBATCHES,
+    MAX_STAGES,
+    SIMULATE_FLAGS,
+    Layout,
+    check_layout,
+)
+from shardwise.parallel.pipeline.simulate import MAX_STAGE_MICROBATCHES
+
 
 def _time(text: str) -> Fraction:
     try:
@@ -29,7 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="simulate one step of a schedule",
         description="Run a schedule's action lists on a model of the machine: per-rank "
         "timeline, bubble fraction, peak in-flight activations; fails naming the ranks if the "
-        "schedule deadlocks. Times are per micro-batch per stage (per chunk when interleaved).",
+        "schedule deadlocks. Times are per micro-batch per stage (per chunk when interleaved). "
+        f"Bounds: stages x virtual stages x micro-batches at most {MAX_STAGE_MICROBATCHES:,}, "
+        f"at most {MAX_STAGES:,} stages and {MAX_MICROBATCHES:,} micro-batches.",
     )
     from shardwise.parallel.pipeline.schedule import SCHEDULES
 
@@ -41,14 +52,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sim.add_argument("--t-bwd", type=_time, default=Fraction(1), help="input-gradient time")
     sim.add_argument("--t-wgrad", type=_time, default=Fraction(1), help="weight-gradient time")
     sim.add_argument("--t-p2p", type=_time, default=Fraction(0), help="one message's time")
-    sim.add_argument("--png", type=Path, help="also write a Gantt chart here")
+    sim.add_argument("--png", type=Path, help="also write a Gantt chart to this .png file")
     sim.set_defaults(func=run_simulate)
+
+
+def _check_png(path: Path | None) -> None:
+    if path is None:
+        return
+    if path.is_dir():
+        raise ValueError(f"--png {path} is a directory: name a file in it, e.g. {path / 'pp.png'}")
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"--png {path}: name a file ending in .png, e.g. {path}.png")
 
 
 def run_simulate(args: argparse.Namespace) -> int:
     from shardwise.parallel.pipeline.simulate import simulate
     from shardwise.parallel.pipeline.timeline import summary, text_timeline, write_png
 
+    layout = Layout(
+        world_size=args.stages,
+        pp=args.stages,
+        schedule=args.schedule,
+        microbatches=args.microbatches,
+        virtual_stages=args.virtual_stages,
+    )
+    check_layout(layout, flags=SIMULATE_FLAGS, single_stage_ok=True)
+    _check_png(args.png)
+    if args.t_fwd + args.t_bwd + args.t_wgrad == 0:
+        raise ValueError("--t-fwd, --t-bwd and --t-wgrad are all 0: give one a time > 0")
     res = simulate(
         args.schedule,
         args.stages,

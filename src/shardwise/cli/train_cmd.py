@@ -352,7 +352,6 @@ def run_train(args: argparse.Namespace) -> int:
     run, run_dir = _resumed_run(args) if args.resume else _new_run(args)
     if not args.resume:
         preflight.check_layout(run)
-        preflight.check_pipeline(run)
         preflight.check_data(run)
         preflight.check_memory(run, args.nproc_per_node)
     preflight.open_run_dir(run_dir)

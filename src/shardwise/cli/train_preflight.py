@@ -12,70 +12,30 @@ import torch
 
 from shardwise.data.corpus import check_corpus_fits, load_corpus
 from shardwise.estimate import estimate_activations, estimate_model_states, format_bytes
-from shardwise.parallel.pipeline.schedule import build_schedule
+from shardwise.parallel import layout as par
 from shardwise.train.options import RunConfig
-from shardwise.train.parallel import PIPELINE_LAYERS_AROUND_BLOCKS
 from shardwise.train.rundir import RunDir
 
 
 def check_layout(run: RunConfig) -> None:
-    """Refuse a tensor-parallel layout the ranks or the GPT cannot split evenly: ``--tp`` must
-    divide the ranks, the attention heads and the width; ``--sequence-parallel`` needs
-    ``--tp`` > 1 and a sequence length divisible by it; ``--dp-replicate`` must divide the dp
-    ranks."""
-    opts, cfg = run.train, run.model
-    tp, pp = opts.tp, opts.pp
-    if run.world_size % (tp * pp):
-        what = f"--tp {tp}" if pp == 1 else f"--pp {pp}" if tp == 1 else f"--tp {tp} x --pp {pp}"
-        raise ValueError(
-            f"{what} does not divide the {run.world_size} ranks (--nproc-per-node x "
-            "--nnodes): choose degrees whose product divides them"
-        )
-    if cfg.n_head % tp or cfg.d_model % tp:
-        raise ValueError(
-            f"--tp {tp} does not divide the {opts.model} model's n_head={cfg.n_head} heads and "
-            f"d_model={cfg.d_model}: choose a --tp dividing both"
-        )
-    if opts.sequence_parallel and tp == 1:
-        raise ValueError("--sequence-parallel splits the sequence over tp ranks: add --tp > 1")
-    r = opts.dp_replicate
-    if run.dp_size % r:
-        raise ValueError(
-            f"--dp-replicate {r} does not divide the {run.dp_size} data-parallel ranks: choose "
-            "a divisor (e.g. the number of nodes)"
-        )
-    if opts.sequence_parallel and cfg.seq_len % tp:
-        raise ValueError(
-            f"--sequence-parallel needs the sequence length {cfg.seq_len} divisible by "
-            f"--tp {tp}: change --seq-len or --tp"
-        )
-
-
-def check_pipeline(run: RunConfig) -> None:
-    """Refuse pipeline options the GPT or the pipeline engine cannot run: the schedule must be
-    buildable for pp and the micro-batches, every stage needs a layer, each ``--micro-batch``
-    splits into ``--microbatches`` equal parts, and ``--schedule`` / ``--microbatches`` only
-    with ``--pp`` > 1."""
+    """Refuse a layout the ranks, the GPT or the micro-batch cannot split evenly, with the
+    check ``plan``, ``estimate`` and ``pipeline simulate`` share
+    (``shardwise.parallel.layout``): degrees dividing the ranks, the heads and the width, a
+    transformer block for every pipeline stage, ``--micro-batch`` splitting into
+    ``--microbatches``, pipeline options only with ``--pp`` > 1."""
     opts, eng = run.train, run.engine
-    pp, m = opts.pp, eng.pipeline_microbatches
-    if pp == 1:
-        if m != 1 or eng.pipeline_schedule != "1f1b" or (eng.pipeline_virtual_stages or 1) != 1:
-            raise ValueError("--schedule and --microbatches run a pipeline: add --pp > 1")
-        return
-    layers = run.model.n_layer + PIPELINE_LAYERS_AROUND_BLOCKS
-    virtual = eng.pipeline_virtual_stages or 1
-    stages = pp * virtual
-    if layers < stages:
-        raise ValueError(
-            f"the {opts.model} model's {layers} pipeline layers cannot fill {stages} stages "
-            f"(--pp {pp} x {virtual} per rank): lower --pp"
-        )
-    build_schedule(eng.pipeline_schedule, pp, m, virtual)
-    if run.micro_batch % m:
-        raise ValueError(
-            f"--micro-batch {run.micro_batch} does not split into --microbatches {m} equal "
-            "pipeline micro-batches: choose a --micro-batch divisible by it"
-        )
+    layout = par.Layout(
+        world_size=run.world_size,
+        tp=opts.tp,
+        pp=opts.pp,
+        dp_replicate=opts.dp_replicate,
+        sequence_parallel=opts.sequence_parallel,
+        schedule=eng.pipeline_schedule,
+        microbatches=eng.pipeline_microbatches,
+        virtual_stages=eng.pipeline_virtual_stages or 1,
+    )
+    dims = par.gpt_dims(opts.model, run.model)
+    par.check_layout(layout, model=dims, micro_batch=run.micro_batch, flags=par.TRAIN_FLAGS)
 
 
 def check_data(run: RunConfig) -> None:

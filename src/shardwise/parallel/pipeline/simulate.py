@@ -22,6 +22,11 @@ from shardwise.parallel.pipeline.schedule import Action, Kind, Schedule, build_s
 
 Number = Any  # int, float or Fraction: the simulator only adds and compares times
 
+MAX_STAGE_MICROBATCHES = 16384
+"""Most (pipeline stage, micro-batch) pairs one simulation runs: pp x virtual stages x
+micro-batches. The schedule is built and run action by action; this bound keeps it within
+seconds."""
+
 
 class ScheduleError(ValueError):
     """A schedule that cannot run: it deadlocks, skips or repeats an action, or uses an input
@@ -85,6 +90,8 @@ def _durations(t_fwd: Number, t_bwd: Number, t_wgrad: Number) -> dict[Kind, Numb
     for name, value in (("t_fwd", t_fwd), ("t_bwd", t_bwd), ("t_wgrad", t_wgrad)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
+    if t_fwd + t_bwd + t_wgrad == 0:  # no compute: the bubble (idle over busy) is 0 / 0
+        raise ValueError("t_fwd, t_bwd and t_wgrad are all 0: give at least one a time > 0")
     return {Kind.F: t_fwd, Kind.B: t_bwd + t_wgrad, Kind.I: t_bwd, Kind.W: t_wgrad}
 
 
@@ -179,6 +186,17 @@ def _check_complete(s: Schedule) -> None:
                     raise ScheduleError(f"no rank runs {k.value}{mb}@s{stage}")
 
 
+def check_size(stages: int, microbatches: int, virtual_stages: int = 1) -> None:
+    """Refuse a simulation beyond ``MAX_STAGE_MICROBATCHES`` (before building its schedule)."""
+    units = stages * virtual_stages * microbatches
+    if units > MAX_STAGE_MICROBATCHES:
+        raise ValueError(
+            f"{stages} stages x {virtual_stages} virtual x {microbatches} micro-batches = "
+            f"{units:,} to simulate, more than {MAX_STAGE_MICROBATCHES:,} (a few seconds): "
+            "lower the stages or the micro-batches"
+        )
+
+
 def run_schedule(
     s: Schedule,
     t_fwd: Number = 1,
@@ -186,17 +204,26 @@ def run_schedule(
     t_wgrad: Number = 1,
     t_p2p: Number = 0,
 ) -> SimResult:
-    """Simulate ``s``; raises ScheduleError naming the ranks if it deadlocks or is invalid."""
+    """Simulate ``s``; raises ScheduleError naming the ranks if it deadlocks or is invalid,
+    ValueError beyond ``MAX_STAGE_MICROBATCHES``."""
+    check_size(s.pp_size, s.microbatches, s.virtual_stages)
     _check_complete(s)
     dur = _durations(t_fwd, t_bwd, t_wgrad)
     ranks = [_Rank(acts) for acts in s.actions]
     chans: dict[tuple[int, int], deque[tuple[Action, Number]]] = {}
-    progress = True
-    while progress:
-        progress = False
-        for r, st in enumerate(ranks):
-            while st.pos < len(st.actions) and _step(r, st, s, chans, dur, t_p2p):
-                progress = True
+    # A worklist, not passes over every rank: a blocked rank is stepped again only once a
+    # message is sent to it, so the run costs one visit per action (a pass per message would
+    # cost ranks x actions).
+    ready, queued = deque(range(len(ranks))), set(range(len(ranks)))
+    while ready:
+        r = ready.popleft()
+        queued.discard(r)
+        st = ranks[r]
+        while st.pos < len(st.actions) and _step(r, st, s, chans, dur, t_p2p):
+            done = st.actions[st.pos - 1]
+            if done.kind in (Kind.SEND_ACT, Kind.SEND_GRAD) and done.peer not in queued:
+                ready.append(done.peer)
+                queued.add(done.peer)
     stuck = [(r, st.actions[st.pos]) for r, st in enumerate(ranks) if st.pos < len(st.actions)]
     if stuck:
         waits = "; ".join(f"rank {r} waits in {a}" for r, a in stuck)
@@ -235,6 +262,7 @@ def simulate(
     if isinstance(schedule, str):
         if stages is None or microbatches is None:
             raise ValueError("simulate by schedule name needs stages= and microbatches=")
+        check_size(stages, microbatches, virtual_stages)
         schedule = build_schedule(schedule, stages, microbatches, virtual_stages)
     elif not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a name or a Schedule, got {type(schedule).__name__}")

@@ -98,6 +98,6 @@ def write_png(res: SimResult, path: Path) -> Path:
     ax.legend(handles, labels, loc="upper right", fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
     return path
