@@ -3,26 +3,38 @@
 Model states: the ``n_layer`` blocks are split evenly over the ``pp`` ranks (the first
 ``n_layer % pp`` ranks one more); the first rank also holds the token and position embeddings,
 the last the final norm and a copy of the tied head (the token embedding's weight). Under
-tensor parallelism each rank holds its tp share (``shardwise.tp.estimate``).
+tensor parallelism each rank holds its tp share (``shardwise.costmodel.memory``).
 
 Activations: a rank keeps the activations of every micro-batch it has run forward but not yet
 backward. The peak of those in flight comes from the schedule's simulator
 (``shardwise.pipeline.simulate``): ``m`` for GPipe, ``min(pp - r, m)`` for 1F1B on rank ``r``,
 whatever the simulator finds for interleaved 1F1B and ZB-H1 (a chunk of an interleaved schedule
 holds ``1/v`` of the rank's layers). Times the per-layer, per-micro-batch activation bytes of
-Korthikanti et al. 2022 (``tp.estimate.layer_activation_bytes``) times the rank's blocks;
-embeddings and the loss are not counted.
+Korthikanti et al. 2022 (``costmodel.activations.layer_activation_bytes``) times the rank's
+blocks; embeddings and the loss are not counted.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from fractions import Fraction
 
+from shardwise.costmodel.activations import (
+    RECOMPUTE,
+    in_flight_activation_bytes,
+    layer_activation_bytes,
+)
+from shardwise.costmodel.memory import blocks_per_rank, gpt_params_per_pp_rank
 from shardwise.models.gpt import GPTConfig
 from shardwise.pipeline.simulate import simulate
-from shardwise.tp import estimate as tp_estimate
+
+__all__ = [
+    "PipelineRankEstimate",
+    "blocks_per_rank",
+    "gpt_params_per_pp_rank",
+    "gpt_pipeline_estimate",
+    "peak_in_flight",
+]
 
 
 @dataclass(frozen=True)
@@ -38,27 +50,7 @@ class PipelineRankEstimate:
     """Peak micro-batches whose activations this rank keeps, in units of one micro-batch
     through all of its blocks."""
     activation_bytes: dict[str, int]
-    """Peak activation bytes per recompute mode (``tp.estimate.RECOMPUTE``)."""
-
-
-def blocks_per_rank(n_layer: int, pp: int) -> list[int]:
-    """``n_layer`` blocks over ``pp`` ranks, the first ``n_layer % pp`` ranks one more."""
-    if not 1 <= pp <= n_layer:
-        raise ValueError(f"pp={pp} must be in 1..n_layer={n_layer}: each stage needs a block")
-    return [n_layer // pp + (r < n_layer % pp) for r in range(pp)]
-
-
-def gpt_params_per_pp_rank(cfg: GPTConfig, pp: int, tp: int = 1) -> list[int]:
-    """Parameter elements each pp rank of ``GPT(cfg)`` holds per tp rank. Over all ranks they
-    sum to the model's (per tp rank) plus, at pp > 1, the tied head's copy of the token
-    embedding on the last rank."""
-    block = sum(tp_estimate.gpt_block_params_per_rank(cfg, tp))
-    d, b = cfg.d_model, int(cfg.bias)
-    vocab = math.ceil(cfg.vocab_size / tp) * d  # the token embedding's rows, tp-split
-    out = [n * block for n in blocks_per_rank(cfg.n_layer, pp)]
-    out[0] += vocab + cfg.seq_len * d
-    out[-1] += d + b * d + (vocab if pp > 1 else 0)
-    return out
+    """Peak activation bytes per recompute mode (``costmodel.activations.RECOMPUTE``)."""
 
 
 def peak_in_flight(
@@ -95,10 +87,10 @@ def gpt_pipeline_estimate(
     out = []
     for r in range(pp):
         act = {}
-        for mode in tp_estimate.RECOMPUTE:
-            per_layer = tp_estimate.layer_activation_bytes(
+        for mode in RECOMPUTE:
+            per_layer = layer_activation_bytes(
                 seq_len, micro_batch, cfg.d_model, cfg.n_head, tp, sequence_parallel, mode
             )
-            act[mode] = math.ceil(flights[r] * blocks[r] * per_layer)
+            act[mode] = in_flight_activation_bytes(per_layer, blocks[r], flights[r])
         out.append(PipelineRankEstimate(r, blocks[r], params[r], flights[r], act))
     return out
