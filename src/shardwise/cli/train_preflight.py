@@ -10,6 +10,7 @@ import os
 import psutil
 import torch
 
+from shardwise.costmodel.memory import zero_shard_size
 from shardwise.data.corpus import check_corpus_fits, load_corpus
 from shardwise.estimate import estimate_activations, estimate_model_states, format_bytes
 from shardwise.parallel import layout as par
@@ -71,7 +72,7 @@ def check_memory(run: RunConfig, nproc_per_node: int) -> None:
     )
     states = estimate_model_states(
         run.params_per_rank(),
-        run.dp_size,
+        zero_shard_size(run.dp_size, run.train.dp_replicate),
         eng.precision,
         offload=eng.offload_optimizer,
         reduce_dtype=eng.reduce_dtype,

@@ -170,7 +170,7 @@ def fit_schedule_link(
     algorithm: str, p: int, sizes: Sequence[int], seconds: Sequence[float], duplex: bool = True
 ) -> LinkCost:
     """The (alpha, beta) >= 0 of the link inside one node that best explain ``seconds`` of the
-    comm layer's all_reduce ``algorithm`` (``comm.schedules``) of fp32 ``sizes`` bytes over
+    comm layer's all_reduce ``algorithm`` (``comm.allreduce_rounds``) of fp32 ``sizes`` bytes over
     ``p`` ranks of that node, by least relative squares. ``duplex`` as ``LinkCost.duplex``."""
     if len(sizes) != len(seconds) or len(set(sizes)) < 2:
         raise ValueError("fit_schedule_link needs times at two or more different sizes")

@@ -30,16 +30,20 @@ hardware's per-collective fit (``Hardware.collectives``) replaces the link.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from shardwise.comm.allreduce_rounds import LinkCost
+from shardwise.costmodel.activations import in_flight_activation_bytes, layer_activation_bytes
 from shardwise.costmodel.hardware import Hardware
+from shardwise.costmodel.memory import BYTES_PER_ELEMENT, model_states
 from shardwise.costmodel.plan import PRECISIONS, Plan
 from shardwise.costmodel.shapes import ModelShape
+from shardwise.zero.stage import ZeroStage
 
-GRAD_BYTES = 4  # fp32 gradient accumulation and reduction
+GRAD_DTYPE = "fp32"  # gradient accumulation and reduction
+GRAD_BYTES = BYTES_PER_ELEMENT[GRAD_DTYPE]
 OPTIMIZER_BYTES_TOUCHED = 36  # AdamW: read+write fp32 master, m, v; read grad; write weight
-MASTER_AND_ADAM_BYTES = 12  # fp32 master copy + two fp32 moments per parameter
 
 
 def ring_seconds(link: LinkCost, nbytes: float, n: int, op: str = "all_reduce") -> float:
@@ -151,15 +155,16 @@ def _dp_seconds(shape: ModelShape, plan: Plan, hw: Hardware, compute_s: float) -
     def ring(op: str, nbytes: float) -> float:
         return ring_seconds(hw.collective_link(op, plan.tp, plan.dp), nbytes, plan.dp, op)
 
-    if plan.zero_stage <= 1:
+    zs = ZeroStage.of(plan.zero_stage)
+    if not zs.shard_grads:
         comm = ring("all_reduce", grads)
     else:
         comm = ring("reduce_scatter", grads)
-        gathers = 1 if plan.zero_stage == 2 else 2 * plan.micro_batches
+        gathers = 2 * plan.micro_batches if zs.shard_params else 1
         comm += gathers * ring("all_gather", weights)
     if not (plan.dp_overlap and hw.overlap):
         return comm
-    window = compute_s if plan.zero_stage == 3 else compute_s / plan.micro_batches * 2 / 3
+    window = compute_s if zs.shard_params else compute_s / plan.micro_batches * 2 / 3
     return max(0.0, comm - window)
 
 
@@ -190,27 +195,29 @@ def _pipeline(
 
 
 def _memory(shape: ModelShape, plan: Plan) -> dict[str, float]:
-    """Bytes per device: model states by ZeRO stage, activations (Korthikanti et al. 2022)."""
-    p, d = _stage_params(shape, plan), plan.dp
-    w = PRECISIONS[plan.precision]
-    states = p * (
-        w / (d if plan.zero_stage == 3 else 1)
-        + GRAD_BYTES / (d if plan.zero_stage >= 2 else 1)
-        + (MASTER_AND_ADAM_BYTES - (4 if w == 4 else 0)) / (d if plan.zero_stage >= 1 else 1)
+    """Bytes per device: model states by ZeRO stage (``memory.model_states``, fp32 gradients),
+    activations of the busiest rank (Korthikanti et al. 2022) plus the fp32 logits."""
+    states = model_states(
+        math.ceil(_stage_params(shape, plan)),
+        plan.dp,
+        plan.zero_stage,
+        plan.precision,
+        grad_dtype=GRAD_DTYPE,
+    ).total_bytes
+    per_layer = layer_activation_bytes(
+        shape.seq_len,
+        plan.micro_batch,
+        shape.hidden,
+        shape.heads,
+        plan.tp,
+        plan.sequence_parallel,
+        plan.recompute,
+        element_bytes=PRECISIONS[plan.precision],
     )
-    sbh = shape.seq_len * plan.micro_batch * shape.hidden
-    t, a, s, h = plan.tp, shape.heads, shape.seq_len, shape.hidden
-    attn = 0.0 if plan.recompute != "none" else 5 * a * s / h
-    if plan.recompute == "full":
-        per_layer = 2 * sbh / (t if plan.sequence_parallel else 1)
-    elif plan.sequence_parallel:
-        per_layer = sbh * (34 + attn) / t
-    else:
-        per_layer = sbh * (10 + 24 / t + attn / t)
-    per_layer *= w / 2  # the formulas count 2-byte activations
-    logits = shape.seq_len * plan.micro_batch * shape.vocab * 4 / t  # fp32 for the loss
-    acts = shape.layers / plan.pp * plan.in_flight_micro_batches() * per_layer + logits
-    return {"states": states, "activations": acts, "total": states + acts}
+    layers = shape.layers / plan.pp
+    acts = in_flight_activation_bytes(per_layer, layers, plan.in_flight_micro_batches())
+    logits = shape.seq_len * plan.micro_batch * shape.vocab * 4 / plan.tp  # fp32 for the loss
+    return {"states": states, "activations": acts + logits, "total": states + acts + logits}
 
 
 def predict(shape: ModelShape, plan: Plan, hw: Hardware) -> Prediction:
@@ -222,7 +229,8 @@ def predict(shape: ModelShape, plan: Plan, hw: Hardware) -> Prediction:
         tp += sync
     elif plan.pp > 1:
         p2p += sync
-    opt_params = _stage_params(shape, plan) / (plan.dp if plan.zero_stage >= 1 else 1)
+    sharded = ZeroStage.of(plan.zero_stage).shard_optimizer
+    opt_params = _stage_params(shape, plan) / (plan.dp if sharded else 1)
     breakdown = {
         "compute": compute,
         "tp": tp,

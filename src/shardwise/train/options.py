@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.config import Config
+from shardwise.costmodel.memory import gpt_params_per_rank
 from shardwise.models.gpt import MODEL_SIZES, GPTConfig
-from shardwise.parallel.tensor.estimate import gpt_params_per_rank
 
 DEFAULT_STEPS = 600
 """Optimizer steps of the default run (2-4 minutes at 2 ranks on 2 CPU cores)."""
@@ -163,7 +163,7 @@ class RunConfig:
 
     def params_per_rank(self) -> int:
         """Parameter elements one rank holds before ZeRO shards them over dp: the whole model,
-        or under tensor parallelism its tp shard (``shardwise.parallel.tensor.estimate``)."""
+        or under tensor parallelism its tp shard (``shardwise.costmodel.memory``)."""
         if self.train.tp == 1:
             return self.model.param_count()
         return sum(gpt_params_per_rank(self.model, self.train.tp))

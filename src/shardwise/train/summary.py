@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from shardwise.costmodel.memory import zero_shard_size
 from shardwise.estimate import estimate_activations, estimate_model_states
 from shardwise.train.options import RunConfig
 
@@ -39,7 +40,7 @@ def memory_estimate(run: RunConfig) -> dict[str, int]:
     cfg = run.model
     est = estimate_model_states(
         run.params_per_rank(),
-        run.dp_size,
+        zero_shard_size(run.dp_size, run.train.dp_replicate),
         run.engine.precision,
         offload=run.engine.offload_optimizer,
         reduce_dtype=run.engine.reduce_dtype,
