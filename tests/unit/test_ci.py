@@ -34,7 +34,7 @@ def test_ci_runs_the_checks_then_the_readme_test_command() -> None:
     assert "set -euo pipefail" in cmds  # any failing step fails the run
     want = [
         "python3 -m pip install --quiet torch==2.13.0",
-        "python3 -m pip install --quiet -e '.[dev]'",
+        "python3 -m pip install --quiet -c <(echo torch==2.13.0) -e '.[dev]'",
         "python3 -m ruff check .",
         "python3 -m ruff format --check .",
         "python3 -m mypy",
