@@ -288,4 +288,4 @@ def _sequence_parallel_refused() -> str:
 def test_gpt_pipeline_layers_refuse_sequence_parallelism() -> None:
     """Not silently wrong: the positions layer would add a slice of a slice of the positions."""
     for got in run_on_ranks(2, _sequence_parallel_refused):
-        assert "does not support sequence parallelism" in got, got
+        assert "pass sequence_parallel_size=tp to pipeline_layers" in got, got
