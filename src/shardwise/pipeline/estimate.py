@@ -1,9 +1,10 @@
 """Memory per pipeline rank of the built-in GPT, before anything runs.
 
-Model states: the ``n_layer`` blocks are split evenly over the ``pp`` ranks (the first
-``n_layer % pp`` ranks one more); the first rank also holds the token and position embeddings,
-the last the final norm and a copy of the tied head (the token embedding's weight). Under
-tensor parallelism each rank holds its tp share (``shardwise.tp.estimate``).
+Model states: the ``n_layer`` blocks are split evenly over the ``pp x virtual_stages`` stages
+(the first ``n_layer % stages`` one more; stage ``s`` on rank ``s % pp``); the first rank also
+holds the token and position embeddings, the last the final norm and a copy of the tied head
+(the token embedding's weight). Under tensor parallelism each rank holds its tp share
+(``shardwise.tp.estimate``).
 
 Activations: a rank keeps the activations of every micro-batch it has run forward but not yet
 backward. The peak of those in flight comes from the schedule's simulator
