@@ -77,3 +77,10 @@ def test_one_process_checkpoint_continues_at_tp2(tmp_path, uninterrupted):
         )
         for k, v in state.items():
             torch.testing.assert_close(out["state"][k], v, rtol=tc.RTOL, atol=tc.ATOL)
+
+
+def test_the_load_names_every_rank_that_saved(saved):
+    """Saved by dp2 x tp2: four ranks wrote it (not the two of dp), loaded at tp4 by four."""
+    for line in run_on_ranks(4, tsc.load_message, saved, 1, 4, 3, timeout_s=600):
+        assert "saved by 4 ranks, dp 2, at stage 3" in line, line
+        assert "now 4 ranks, dp 1, at stage 3" in line, line

@@ -149,3 +149,25 @@ def load_damaged(root: str, file: str) -> str:
     except CheckpointError as exc:
         return str(exc)
     raise AssertionError("a damaged checkpoint was loaded")
+
+
+def load_message(root: str, dp: int, tp_size: int, stage: int) -> str:
+    """The line the load logs: who saved the checkpoint and who loads it."""
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    log = logging.getLogger("shardwise")
+    handler, level = Keep(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        tp_engine(dp, tp_size, stage, seed=5).load(root)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    return next(m for m in records if "loaded step" in m)

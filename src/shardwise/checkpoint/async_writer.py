@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
 import weakref
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from shardwise import comm
+from shardwise import comm, environment
 from shardwise import dist as sw_dist
 from shardwise.checkpoint.entries import ShardEntry, prepare_entries
 from shardwise.checkpoint.rank_state import encode_rank_state
@@ -201,25 +200,20 @@ class AsyncCheckpointWriter:
 def exit_wait_s() -> float:
     """How long the end of the process waits for an unwaited save: ``SHARDWISE_EXIT_SAVE_WAIT_S``
     seconds if set to a number > 0 (otherwise a logged error and the default), else 600."""
-    value = os.environ.get(EXIT_WAIT_ENV, "")
-    if not value:
-        return EXIT_WAIT_S
     try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:  # also NaN
-        log.error(
-            "%s=%r is not a number of seconds > 0; waiting %g s", EXIT_WAIT_ENV, value, EXIT_WAIT_S
-        )
+        seconds = environment.read(EXIT_WAIT_ENV)
+    except environment.EnvError as exc:  # the process is ending: say so, and wait the default
+        log.error("%s; waiting %g s", exc, EXIT_WAIT_S)
         return EXIT_WAIT_S
-    return seconds
+    return EXIT_WAIT_S if seconds is None else float(seconds)
 
 
 def finish_pending_saves(when: str = "at exit", timeout_s: float | None = None) -> None:
     """Finish (or abandon, after ``timeout_s``, default ``exit_wait_s()``) every background save
     of this process that nobody waited for; runs at interpreter exit and before
     ``shardwise.shutdown`` leaves."""
+    if not _LIVE:  # nothing to wait for: the variable is not even read
+        return
     wait = exit_wait_s() if timeout_s is None else timeout_s
     for writer in list(_LIVE):
         writer.finish_unwaited(wait, when)

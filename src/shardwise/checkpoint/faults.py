@@ -27,50 +27,35 @@ import os
 import signal
 import time
 
+from shardwise import environment
+
 log = logging.getLogger("shardwise.checkpoint")
 
 CRASH_AT_ENV = "SHARDWISE_CKPT_CRASH_AT"
 CRASH_RANK_ENV = "SHARDWISE_CKPT_CRASH_RANK"
-CRASH_POINTS = ("before_files", "mid_file", "after_files", "during_rename")
 STALL_ENV = "SHARDWISE_CKPT_STALL_S"
 
 
 def crash_point() -> str | None:
     """The crash point configured in the environment, or None."""
-    point = os.environ.get(CRASH_AT_ENV, "")
-    if not point:
-        return None
-    if point not in CRASH_POINTS:
-        raise ValueError(
-            f"{CRASH_AT_ENV}={point!r} is not a crash point; allowed: "
-            f"{', '.join(CRASH_POINTS)} (or unset it)"
-        )
+    point: str | None = environment.read(CRASH_AT_ENV)
     return point
 
 
 def maybe_crash(point: str, rank: int) -> None:
     """SIGKILL this process if the environment asks ``rank`` to die at ``point``."""
-    assert point in CRASH_POINTS, point
+    assert point in environment.CRASH_POINTS, point
     if crash_point() != point:
         return
-    target = os.environ.get(CRASH_RANK_ENV, "0")
-    try:
-        target_rank = int(target)
-    except ValueError as exc:
-        raise ValueError(f"{CRASH_RANK_ENV}={target!r} must be an int rank") from exc
-    if target_rank == rank:
+    if (environment.read(CRASH_RANK_ENV) or 0) == rank:
         log.warning("rank %d: test hook %s=%s: killing this process", rank, CRASH_AT_ENV, point)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 def maybe_stall() -> None:
     """Sleep ``SHARDWISE_CKPT_STALL_S`` seconds if the environment sets it."""
-    value = os.environ.get(STALL_ENV, "")
-    if not value:
+    seconds = environment.read(STALL_ENV)
+    if seconds is None:
         return
-    try:
-        seconds = float(value)
-    except ValueError as exc:
-        raise ValueError(f"{STALL_ENV}={value!r} must be a number of seconds") from exc
-    log.warning("test hook %s=%s: stalling this save", STALL_ENV, value)
+    log.warning("test hook %s=%s: stalling this save", STALL_ENV, seconds)
     time.sleep(seconds)

@@ -65,7 +65,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="memory per rank under each ZeRO stage",
         description="Estimate params, grads and optimizer bytes per rank for "
         "ZeRO stages 0-3 (Adam(W)); with --model also activation "
-        "memory with and without activation checkpointing.",
+        "memory with and without activation checkpointing. The layout (--world-size, --tp, "
+        "--pp, --microbatches, ...) is checked as train checks it; at most 1,048,576 ranks, "
+        "4,096 micro-batches, 16,384 simulated stage micro-batches.",
     )
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", help="parameter count, e.g. 7e9 or 125M")

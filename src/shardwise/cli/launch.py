@@ -15,6 +15,7 @@ from collections.abc import Callable
 from shardwise.cli.run_agent import LaunchPlan, LaunchResult, run_agent
 from shardwise.cli.run_rendezvous import free_port as free_port  # re-exported
 from shardwise.cli.run_rendezvous import parse_endpoint
+from shardwise.environment import check_environment
 
 DEFAULT_GRACE_S = 60.0
 """Seconds ranks get to stop after Ctrl-C / SIGTERM when no step time is known."""
@@ -77,6 +78,7 @@ def check_launch_args(args: argparse.Namespace) -> None:
         raise LaunchError("--rdzv-endpoint HOST:PORT is required when --nnodes > 1")
     if args.rdzv_endpoint:
         parse_endpoint(args.rdzv_endpoint)
+    check_environment()  # junk in a SHARDWISE_* variable: one line here, not one per rank
 
 
 def launch_plan(args: argparse.Namespace, target: list[str]) -> LaunchPlan:

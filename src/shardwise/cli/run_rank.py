@@ -24,6 +24,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from shardwise import environment
+
 LAUNCHER_PID_ENV = "SHARDWISE_LAUNCHER_PID"
 """The launcher sets it to its own pid in every rank's environment."""
 
@@ -87,9 +89,9 @@ def run_target(target: Sequence[str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     target = list(sys.argv[1:] if argv is None else argv)
-    launcher = os.environ.get(LAUNCHER_PID_ENV)
-    if launcher:
-        tie_to_launcher(int(launcher))
+    launcher = environment.read(LAUNCHER_PID_ENV)
+    if launcher is not None:
+        tie_to_launcher(launcher)
     try:
         run_target(target)
     except KeyboardInterrupt:

@@ -23,6 +23,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from shardwise import environment
+
 LINK_ENV = "SHARDWISE_EMULATE_LINK"
 NODES_ENV = "SHARDWISE_EMULATE_NODES"
 
@@ -71,11 +73,8 @@ def parse_link(spec: str) -> LinkDelay:
 
 def parse_nodes(spec: str, world_size: int) -> tuple[int, ...]:
     """Parse ``"0,0,1,1"``: one non-negative node id per global rank."""
-    try:
-        nodes = tuple(int(x) for x in spec.split(","))
-    except ValueError as exc:
-        raise ValueError(f"{NODES_ENV}={spec!r}: expected comma-separated node ids") from exc
-    if len(nodes) != world_size or min(nodes) < 0:
+    nodes: tuple[int, ...] = environment.read(NODES_ENV, {NODES_ENV: spec})
+    if len(nodes) != world_size:
         raise ValueError(
             f"{NODES_ENV}={spec!r}: needs one node id >= 0 per rank ({world_size} ranks)"
         )
@@ -139,3 +138,6 @@ def delay_send(src: int, dst: int, nbytes: int, world_size: int) -> None:
         wait = emu.delay_s(src, dst, nbytes)
         if wait > 0:
             time.sleep(wait)
+
+
+environment.LINK_GRAMMAR[:] = [parse_link]

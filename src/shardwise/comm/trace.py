@@ -8,7 +8,6 @@ the rank writes the trace to stderr and to ``$SHARDWISE_TRACE_DIR/shardwise-trac
 from __future__ import annotations
 
 import collections
-import os
 import sys
 import tempfile
 import time
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from shardwise import environment
 
 TRACE_LEN = 64
 DESC_BYTES = 480  # fixed-size fingerprint exchanged by the desync check
@@ -53,8 +54,8 @@ class TraceEntry:
 
 
 def debug_from_env() -> bool:
-    """SHARDWISE_DEBUG_COLLECTIVES set to anything but "", "0", "false": the desync check is on."""
-    return os.environ.get("SHARDWISE_DEBUG_COLLECTIVES", "0") not in ("", "0", "false", "False")
+    """SHARDWISE_DEBUG_COLLECTIVES set to 1, true, yes or on: the desync check is on."""
+    return bool(environment.read("SHARDWISE_DEBUG_COLLECTIVES"))
 
 
 class Tracer:
@@ -82,7 +83,7 @@ class Tracer:
         text = "\n".join(lines) + "\n"
         sys.stderr.write(text)
         sys.stderr.flush()
-        folder = Path(os.environ.get("SHARDWISE_TRACE_DIR", tempfile.gettempdir()))
+        folder = Path(environment.read("SHARDWISE_TRACE_DIR") or tempfile.gettempdir())
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"shardwise-trace-rank{self.rank}.txt"
         path.write_text(text)

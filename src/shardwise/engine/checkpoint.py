@@ -236,6 +236,7 @@ def load_engine(
     layouts = engine.placements.layouts(engine.module, engine.group)
     with CheckpointReader(step_dir, verify=False) as reader:
         state = reader.trainer_state
+        saved_world = reader.world_size  # every rank that wrote a file: dp x tp x pp of then
         _check_format(state, engine, step_dir)
         check_model_matches(reader, whole_model_entries(engine, names, layouts))
         scalars = state["optimizer"]["scalar_states"]
@@ -251,14 +252,16 @@ def load_engine(
         restore_trainer(engine, state, sampler)
         restore_rng(engine, reader, save_group(engine))
     log.info(
-        "rank %d: loaded step %d from %s (saved by %d ranks at stage %d, %s; now %d ranks "
-        "at stage %d, %s)",
+        "rank %d: loaded step %d from %s (saved by %d ranks, dp %d, at stage %d, %s; now %d "
+        "ranks, dp %d, at stage %d, %s)",
         _me(),
         engine.global_step,
         step_dir,
+        saved_world,
         state["dp_size"],
         state["zero_stage"],
         state["precision"],
+        save_group(engine).size,
         engine.dp_group.size,
         engine.stage.stage,
         engine.config.precision,

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import shardwise
+from shardwise import environment
 from shardwise.cli.run_agent import RESTART_COUNT_ENV
 from shardwise.train.loop import Trainer
 from shardwise.train.options import RunConfig
@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true", help="continue from its checkpoints")
     args = parser.parse_args(argv)
     # a restart after a failure (--max-restarts) continues from the newest valid checkpoint
-    restarted = int(os.environ.get(RESTART_COUNT_ENV, "0")) > 0
+    restarted = (environment.read(RESTART_COUNT_ENV) or 0) > 0
     run_dir = RunDir(args.run_dir).require()
     run = RunConfig.read(run_dir.config)
     # From here on a signal only asks to stop: a Ctrl-C during setup stops after the first step.
