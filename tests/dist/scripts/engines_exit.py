@@ -23,8 +23,11 @@ def gloo_workers() -> int:
     """Threads of this process that torch named as gloo workers or gloo's network loop."""
     names = []
     for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            names.append(f.read().strip())
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
     return sum(n.startswith(("pt_gloo", "gloo_tcp")) for n in names)
 
 
