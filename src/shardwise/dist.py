@@ -142,6 +142,7 @@ def form_process_group(backend: str, timeout_s: float) -> Joined:
         return adopt_process_group()
     env = read_launch_env()
     td = datetime.timedelta(seconds=timeout_s)
+    _import_world_capturers()
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     try:
@@ -165,6 +166,15 @@ def form_process_group(backend: str, timeout_s: float) -> Joined:
         ) from exc
     log.debug("rank %d/%d joined (%s, %s)", env.rank, env.world_size, backend, env.source)
     return Joined(env, backend, owns_group=True)
+
+
+def _import_world_capturers() -> None:
+    """Import, before the default group exists, the torch modules that bind ``group.WORLD`` as a
+    default argument at import (``torch.distributed.nn.functional``; torch's optimizers import it
+    lazily). Imported later, they would reference the default group for the rest of the process,
+    so that leaving could never destroy it and its worker threads would outlive the interpreter
+    (see ``comm.current_world._destroy``)."""
+    import torch.distributed.nn.functional  # noqa: F401
 
 
 def adopt_process_group() -> Joined:

@@ -211,3 +211,19 @@ def test_an_unwaited_save_that_outlasts_the_exit_wait_is_abandoned_uncommitted(t
     assert not (root / "step-00000001").exists()
     with pytest.raises(CheckpointError):
         verify(root / "step-00000001")
+
+
+@pytest.mark.parametrize("mode", ["exit", "raise", "shutdown"])
+def test_no_gloo_thread_outlives_the_end_of_a_script(mode):
+    # six engines, then sys.exit(0), an uncaught ValueError, or shutdown(): every torch gloo
+    # thread is gone before the interpreter's teardown, where one finishing a collective would
+    # abort the process ("terminate called without an active exception", #22)
+    script = str(SPIN.parent / "engines_exit.py")
+    cli = Cli("run", "--nproc-per-node", "2", script, mode, "--report-threads")
+    try:
+        assert cli.finish(180) == (1 if mode == "raise" else 0), cli.output[-3000:]
+    finally:
+        cli.cleanup()
+    assert cli.output.count("gloo threads while training: 3") == 2, cli.output[-3000:]
+    assert cli.output.count("gloo threads left at exit: 0") == 2, cli.output[-3000:]
+    assert "terminate called" not in cli.output

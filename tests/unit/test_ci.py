@@ -44,6 +44,14 @@ def test_ci_runs_the_checks_then_the_readme_test_command() -> None:
     assert "python -m pytest -q" in (REPO / "README.md").read_text()
 
 
+def test_ci_runs_the_stress_tests_in_their_own_step() -> None:
+    # the default run leaves them out; CI runs them after it
+    cmds = _ci_commands()
+    step = "python3 -m pytest -q -m stress tests/dist/test_exit_stress.py"
+    assert cmds.index(step) > cmds.index("python3 -m pytest -q")
+    assert "-m 'not stress'" in _pyproject()["tool"]["pytest"]["ini_options"]["addopts"]
+
+
 def test_dev_extra_and_tool_config() -> None:
     project = _pyproject()
     dev = " ".join(project["project"]["optional-dependencies"]["dev"])

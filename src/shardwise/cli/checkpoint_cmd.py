@@ -60,11 +60,14 @@ def _export(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        names = export_consolidated(args.path, target)
+        names, naming = export_consolidated(args.path, target)
     except (CheckpointError, ValueError) as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
-    print(f"exported {len(names)} tensors (fp32 model state, tied aliases included) to {target}")
+    print(
+        f"exported {len(names)} tensors (fp32 model state, tied aliases included) {naming} "
+        f"to {target}"
+    )
     return 0
 
 
@@ -100,8 +103,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=_verify)
     c = cmds.add_parser(
         "export",
-        help="write the full fp32 model state to one safetensors "
-        "file that loads into the plain model",
+        help="write the full fp32 model state to one safetensors file that loads into the "
+        "plain model (a pipeline checkpoint renamed to its names; the output line says which "
+        "names it wrote)",
     )
     c.add_argument("path", type=Path)
     c.add_argument(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -20,6 +22,8 @@ from shardwise.comm.groups import Group, World
 log = logging.getLogger("shardwise")
 
 DEFAULT_TIMEOUT_S = sw_dist.DEFAULT_TIMEOUT_S
+DESTROY_WAIT_S = 30.0
+"""How long leaving waits for torch's groups to finish their queued work and stop their threads."""
 
 _current: World | None = None
 _exit_registered = False
@@ -86,17 +90,68 @@ def shutdown() -> None:
 def _leave(world: World, when: str, together: bool) -> None:
     """The hooks first (a background save still talks on its own group), then leave (after a
     barrier when ``together``: a gloo rank that tears down its pairs while a peer is still
-    sending, on any group, can abort that peer)."""
+    sending, on any group, can abort that peer), then destroy torch's groups for good."""
     sw_dist.run_before_leaving(when)
     if together and world.world_size > 1:
         ops.barrier(group=world.group)
     sw_dist.leave_process_group()
+    _destroy(world, when)
+
+
+def _destroy(world: World, when: str) -> None:
+    """Drop the last references to the world's torch groups, which destroys them: each gloo
+    group first runs what is queued on it, then joins its worker threads.
+
+    Why it must happen here: ``destroy_process_group`` only forgets the groups; while anything
+    (this world's groups, an engine) still references one, its gloo worker threads live on. A
+    worker that finishes a collective drops its tensors afterwards, and dropping a tensor that
+    Python also sees takes the GIL. If the interpreter is already finalizing by then, CPython
+    ends that thread with ``pthread_exit``, whose unwinding through torch's ``noexcept``
+    destructor calls ``std::terminate``: "terminate called without an active exception", exit
+    134, after a run that succeeded (#22). Done here, the workers take the GIL while it is free
+    (torch releases it while a group is destroyed) and are gone before the teardown begins.
+
+    The groups are dropped on a helper thread, waited for at most ``DESTROY_WAIT_S``: a group
+    with work queued that a departed peer never matches would otherwise hold the end of the
+    process until that work times out."""
+    groups = world.release()
+    if not groups:
+        return
+    args = (groups, world.rank)
+    done = threading.Thread(target=_drop, args=args, name="shardwise-leave", daemon=True)
+    done.start()
+    del groups, args
+    done.join(DESTROY_WAIT_S)
+    if done.is_alive():
+        log.warning(
+            "rank %d: torch's process groups still had collectives in flight %g s after leaving "
+            "%s; ending without waiting for them (the process may abort at its end)",
+            world.rank,
+            DESTROY_WAIT_S,
+            when,
+        )
+
+
+def _drop(groups: list[ProcessGroup], rank: int) -> None:
+    """Drop the groups: where ours is the last reference, that destroys the group."""
+    while groups:
+        pg = groups.pop()
+        others = sys.getrefcount(pg) - 2  # besides ``pg`` and getrefcount's own argument
+        if others:
+            log.warning(
+                "rank %d: torch's process group %s is still referenced %d times outside "
+                "shardwise after leaving it; its worker threads outlive the exit and may abort "
+                "the process at its end (keep no torch ProcessGroup objects)",
+                rank,
+                pg.group_name,
+                others,
+            )
+        del pg  # the last reference: destroys the group, joining its worker threads
 
 
 def _leave_at_exit_once() -> None:
     """At the end of a process that formed its group and never called ``shutdown()``, leave it
-    while the interpreter is still whole: torch's gloo groups left to the interpreter's teardown
-    can abort the process ("terminate called without an active exception")."""
+    while the interpreter is still whole (see ``_destroy``)."""
     global _exit_registered
     if not _exit_registered:
         _exit_registered = True
@@ -115,6 +170,7 @@ def _leave_at_exit() -> None:
     except Exception as exc:  # the process is ending: say so and leave anyway
         log.warning("rank %d: leaving the process group at exit: %s", world.rank, exc)
         sw_dist.leave_process_group()
+        _destroy(world, "at exit")
 
 
 def resolve(group: Group | ProcessGroup | None) -> Group:

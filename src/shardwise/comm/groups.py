@@ -60,19 +60,41 @@ class World:
         self.local_rank = local_rank
         self.backend = backend
         self.timeout_s = float(timeout_s)
-        self.pg = pg
         self.owns_pg = owns_pg
         self.stats = CommStats()
         self.tracer = Tracer(rank)
         self.debug: bool | None = None  # None: follow SHARDWISE_DEBUG_COLLECTIVES
+        self._links: list[_Link] = []
+        self._pg_link = self._link(pg)
         self.group = Group(
-            pg,
+            self._pg_link,
             tuple(range(world_size)),
             "world",
             self.timeout_s,
             self,
             self.stats,
         )
+
+    @property
+    def pg(self) -> ProcessGroup | None:
+        """torch's process group of all ranks (None with one rank and no torch group)."""
+        return self._pg_link.pg
+
+    def _link(self, pg: ProcessGroup | None) -> _Link:
+        link = _Link(pg)
+        self._links.append(link)
+        return link
+
+    def release(self) -> list[ProcessGroup]:
+        """End this world's hold on torch's process groups: every group of it refuses further
+        collectives, and the distinct torch groups they held are returned, so that the caller's
+        dropping them is what destroys them (once torch's registry let go of them too)."""
+        held: dict[int, ProcessGroup] = {}
+        for link in self._links:
+            if link.pg is not None:
+                held[id(link.pg)] = link.pg
+            link.pg, link.released = None, True
+        return list(held.values())
 
     def debug_enabled(self) -> bool:
         """Whether collectives of this world check that every rank issues the same call."""
@@ -119,22 +141,33 @@ class World:
         name = name or f"group{next(_names)}"
         stats = self.stats if stats is None else stats
         if len(ranks) == 1:  # nothing to talk to: no torch group (every rank skips it alike)
-            return Group(None, ranks, name, timeout, self, stats)
+            return Group(self._link(None), ranks, name, timeout, self, stats)
         if len(ranks) == n and timeout == self.timeout_s and not dedicated:
-            return Group(self.pg, ranks, name, timeout, self, stats)
+            return Group(self._pg_link, ranks, name, timeout, self, stats)
         pg = dist.new_group(sorted(ranks), timeout=datetime.timedelta(seconds=timeout))
-        return Group(pg if self.rank in ranks else None, ranks, name, timeout, self, stats)
+        link = self._link(pg if self.rank in ranks else None)
+        return Group(link, ranks, name, timeout, self, stats)
 
     def adopt(self, pg: ProcessGroup) -> Group:
         """A group over a torch process group formed elsewhere (its ranks must be this world's)."""
         ranks = tuple(dist.get_process_group_ranks(pg))
-        return Group(pg, ranks, f"pg{next(_names)}", self.timeout_s, self, self.stats)
+        return Group(self._link(pg), ranks, f"pg{next(_names)}", self.timeout_s, self, self.stats)
 
     def __repr__(self) -> str:
         return (
             f"World(rank={self.rank}, world_size={self.world_size}, backend={self.backend}, "
             f"timeout_s={self.timeout_s:g})"
         )
+
+
+@dataclass(eq=False)
+class _Link:
+    """The torch process group behind one or more ``Group``s of a world. ``World.release``
+    empties every link: shardwise then holds no reference that would keep a torch group, and
+    the worker threads it runs, alive into the interpreter's teardown."""
+
+    pg: ProcessGroup | None
+    released: bool = False
 
 
 @dataclass
@@ -153,7 +186,7 @@ class Group:
     collectives permute chunks so that chunk i always belongs to group rank i.
     """
 
-    pg: ProcessGroup | None  # None: this rank is not a member, or the group has one rank
+    link: _Link = field(repr=False)
     ranks: tuple[int, ...]
     name: str
     timeout_s: float
@@ -166,6 +199,20 @@ class Group:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_torch_order", tuple(sorted(self.ranks)))
+
+    @property
+    def pg(self) -> ProcessGroup | None:
+        """torch's process group (None: this rank is not a member, or the group has one rank).
+
+        Raises:
+            RuntimeError: the world this group belongs to has ended (``shardwise.shutdown()``).
+        """
+        if self.link.released:
+            raise RuntimeError(
+                f"{self!r}: its world has ended (shardwise.shutdown() or the end of the process);"
+                " call shardwise.init() and build groups and engines anew"
+            )
+        return self.link.pg
 
     @property
     def size(self) -> int:

@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from shardwise.checkpoint import CheckpointError, CheckpointReader, save_safetensors
-from shardwise.checkpoint.tools import read_consolidated
+from shardwise.checkpoint.tools import plain_names_extra, read_consolidated
 from shardwise.comm import objects
 from shardwise.data.sampler import DistributedBatchSampler
 from shardwise.engine.core import Engine
@@ -26,14 +26,17 @@ from shardwise.train.parallel import BuiltModel, gpt_pipeline_names, state_alias
 log = logging.getLogger("shardwise.train")
 
 
-def save(engine: Engine, sampler: DistributedBatchSampler) -> Path:
+def save(engine: Engine, sampler: DistributedBatchSampler, built: BuiltModel) -> Path:
     """Save engine, optimizer and sampler position as a checkpoint of ``engine.global_step``
     into ``engine.config.checkpoint_dir``; call on every rank, after ``engine.step()``.
-    With ``config.async_save`` it returns once the state is copied to host memory.
+    With ``config.async_save`` it returns once the state is copied to host memory. A pipeline
+    run's checkpoint records the plain GPT's names of its weights (``checkpoint export`` gives
+    those).
 
     Communicates: see ``shardwise.engine.checkpoint.save_engine``.
     """
-    return engine.save(sampler=sampler)
+    extra = plain_names_extra(built.gpt_names, built.aliases) if built.pipeline else None
+    return engine.save(sampler=sampler, extra=extra)
 
 
 def finish_saving(engine: Engine) -> None:

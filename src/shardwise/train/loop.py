@@ -218,7 +218,7 @@ class Trainer:
         leaves ``global_step`` where it was, and a checkpoint is never written twice)."""
         if self.saved_step == self.engine.global_step:
             return
-        checkpoints.save(self.engine, self.sampler)
+        checkpoints.save(self.engine, self.sampler, self.built)
         self.saved_step = self.engine.global_step
 
     # ---- the run ----
