@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 import shardwise
 from shardwise.cli.main import main
 from shardwise.models.gpt import GPT, GPTConfig
-from shardwise.pipeline import PipelineModule
+from shardwise.parallel.pipeline import PipelineModule
 from shardwise.testing import run_on_ranks
 from shardwise.train.rundir import RunDir
 
