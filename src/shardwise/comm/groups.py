@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from shardwise.comm.schedules import GroupLinks
 from shardwise.comm.stats import CommStats
 from shardwise.comm.trace import Tracer, debug_from_env
 
@@ -65,6 +66,8 @@ class World:
         self.stats = CommStats()
         self.tracer = Tracer(rank)
         self.debug: bool | None = None  # None: follow SHARDWISE_DEBUG_COLLECTIVES
+        # Measured links by group ranks, for the public all_reduce's "auto" (``comm.links``).
+        self.measured_links: dict[tuple[int, ...], GroupLinks] = {}
         self.group = Group(
             pg,
             tuple(range(world_size)),
