@@ -138,17 +138,7 @@ def test_library_entry_points_have_no_default_group() -> None:
     assert inspect.signature(facade.broadcast).parameters["group"].default is None
 
 
-OPS_COLLECTIVES = {
-    "all_reduce",
-    "all_reduce_coalesced",
-    "broadcast",
-    "all_gather",
-    "all_gather_list",
-    "reduce_scatter",
-    "send",
-    "recv",
-    "barrier",
-}
+OPS_COLLECTIVES = set(ops.__all__) - {"P2P_ALL_GATHER_MIN_BYTES", "Handle", "chunk_sizes"}
 
 
 def ops_calls_without_group(source: str) -> list[str]:
