@@ -59,9 +59,9 @@ def _once(
     comm.barrier(group=g)
     t0 = time.perf_counter()
     for _ in range(BLOCK):
-        comm.all_reduce(t, "sum", group or g, algorithm=alg, links=links)
+        comm.all_reduce(t, "sum", group=group or g, algorithm=alg, links=links)
     dt = torch.tensor([(time.perf_counter() - t0) / BLOCK], dtype=torch.float64)
-    comm.all_reduce(dt, "max", g)
+    comm.all_reduce(dt, "max", group=g)
     return float(dt.item())
 
 

@@ -126,7 +126,7 @@ def run_rank(system: str, model_name: str, micro: int, steps: int, warmup: int) 
         blocked = home.stats.exposed(True)
         stats = home.stats.snapshot(True)
         slowest = torch.tensor([dt], dtype=torch.float64)
-        comm.all_reduce(slowest, "max", world)
+        comm.all_reduce(slowest, "max", group=world)
         if i >= warmup:
             times.append(float(slowest.item()))
             exposed.append(blocked / dt)
@@ -142,12 +142,12 @@ def busbw_rank(numel: int, iters: int) -> float:
     torch.set_num_threads(1)
     n, world = shardwise.world_size(), comm.world()
     buf = torch.ones(numel)
-    comm.all_reduce(buf, "sum", world)
+    comm.all_reduce(buf, "sum", group=world)
     times = []
     for _ in range(iters):
         comm.barrier(group=world)
         t0 = time.perf_counter()
-        comm.all_reduce(buf, "sum", world)
+        comm.all_reduce(buf, "sum", group=world)
         times.append(time.perf_counter() - t0)
     return 2 * (n - 1) / n * numel * 4 / statistics.median(times) / 1e9
 

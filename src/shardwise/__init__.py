@@ -36,6 +36,7 @@ from shardwise.comm import (
     send,
     split,
 )
+from shardwise.comm import links as comm_links
 from shardwise.comm.current_world import (
     barrier,
     device,
@@ -52,7 +53,12 @@ from shardwise.mesh import Axis, Mesh
 from shardwise.parallel import Parallelized, ParallelPlan, PipelineSplit, parallelize
 from shardwise.recompute import checkpoint, checkpoint_sequential
 from shardwise.seeding import seed_all
+from shardwise.topology import discover
 from shardwise.zero.wrap import ZeroOptimizer, zero_wrap
+
+# The public all_reduce's algorithm="auto" measures a group's links with topology's discover,
+# which is built on comm: the package hands it to comm here rather than comm importing it.
+comm_links.use_discovery(discover)
 
 __version__ = "0.1.0"
 

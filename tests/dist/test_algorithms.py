@@ -10,6 +10,7 @@ import torch
 
 import shardwise
 from shardwise import comm
+from shardwise.comm import ops
 from shardwise.comm.allreduce_rounds import GroupLinks, LinkCost
 from shardwise.testing import RankError, run_on_ranks
 
@@ -47,7 +48,7 @@ def _equality_task(sizes: list[int]) -> list[str]:
             comm.all_reduce(native, op="sum", group=comm.world())
             for alg in [*FLAT, "hierarchical"]:
                 t = xs[r].clone()
-                comm.all_reduce(t, "sum", comm.world(), algorithm=alg, nodes=nodes)
+                comm.all_reduce(t, "sum", group=comm.world(), algorithm=alg, nodes=nodes)
                 if dtype == torch.int64:
                     assert torch.equal(t, native), (alg, n)
                 else:
@@ -72,7 +73,9 @@ def _ops_task() -> None:
     for alg in [*FLAT, "hierarchical"]:
         for op, ref in refs.items():
             t = xs[r].clone().view(37, 1)  # any shape: reduced as a flat view
-            h = comm.all_reduce(t, op, comm.world(), async_op=True, algorithm=alg, nodes=_nodes(w))
+            h = comm.all_reduce(
+                t, op, group=comm.world(), async_op=True, algorithm=alg, nodes=_nodes(w)
+            )
             torch.testing.assert_close(h.wait().view(-1), ref, msg=f"{alg} {op}")
 
 
@@ -87,7 +90,7 @@ N = 840  # divisible by 1..8: the formulas are exact
 def _bytes_task(alg: str) -> tuple[int, int, int, int]:
     w, r = shardwise.world_size(), shardwise.rank()
     t = torch.full((N,), float(r))
-    comm.all_reduce(t, "sum", comm.world(), algorithm=alg, nodes=_nodes(w))
+    comm.all_reduce(t, "sum", group=comm.world(), algorithm=alg, nodes=_nodes(w))
     assert torch.equal(t, torch.full((N,), float(sum(range(w)))))
     s = shardwise.comm_stats()
     return (
@@ -133,7 +136,7 @@ def _auto_task() -> tuple[str, int, int]:
     sent = []
     for alg in ("auto", picked):
         comm.comm_stats(reset=True)
-        comm.all_reduce(t.fill_(1.0), "sum", comm.world(), algorithm=alg, links=slow)
+        comm.all_reduce(t.fill_(1.0), "sum", group=comm.world(), algorithm=alg, links=slow)
         assert torch.equal(t, torch.full_like(t, float(w)))
         sent.append(comm.comm_stats()["send"]["bytes"])
     return picked, sent[0], sent[1]
@@ -149,12 +152,12 @@ def _bad_input_task(kind: str) -> None:
     t = torch.ones(4)
     if kind == "unknown":
         comm.all_reduce(t, algorithm="butterfly")
-    elif kind == "auto":
-        comm.all_reduce(t, group=comm.world(), algorithm="auto")
+    elif kind == "auto":  # the library's entry point: the public one measures the links itself
+        ops.all_reduce(t, group=comm.world(), algorithm="auto")
     elif kind == "uneven_nodes":
         comm.all_reduce(t, group=comm.world(), algorithm="hierarchical", nodes=(0, 0, 1))
     elif kind == "no_nodes":
-        comm.all_reduce(t, group=comm.world(), algorithm="hierarchical")
+        ops.all_reduce(t, group=comm.world(), algorithm="hierarchical")
 
 
 @pytest.mark.parametrize(
@@ -169,3 +172,35 @@ def _bad_input_task(kind: str) -> None:
 def test_bad_input_names_the_fix(kind, match):
     with pytest.raises(RankError, match=match):
         run_on_ranks(3, _bad_input_task, kind)
+
+
+def _auto_without_links_task() -> tuple[int, int, list[tuple[int, ...]]]:
+    """The public all_reduce with algorithm="auto" and no links: the current world's links are
+    measured on the first call (one barrier per pair of ranks, ``measure_links``) and reused."""
+    w, r = shardwise.world_size(), shardwise.rank()
+    world = comm.current()
+    comm.comm_stats(reset=True)
+    for dtype in (torch.int64, torch.float32):
+        xs = _inputs(w, 1000, dtype)
+        native = xs[r].clone()
+        comm.all_reduce(native)
+        for alg in ("auto", "auto", "hierarchical"):
+            t = xs[r].clone()
+            comm.all_reduce(t, algorithm=alg)
+            if dtype == torch.int64:
+                assert torch.equal(t, native), alg
+            else:
+                torch.testing.assert_close(t, native, msg=alg)
+        if dtype == torch.int64:
+            barriers_after_first = comm.comm_stats()["barrier"]["calls"]
+    barriers = comm.comm_stats()["barrier"]["calls"]
+    return barriers_after_first, barriers, list(world.measured_links)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_auto_at_the_facade_measures_the_worlds_links_once(world):
+    results = run_on_ranks(world, _auto_without_links_task)
+    pairs = world * (world - 1) // 2
+    for first, total, measured in results:
+        assert first == total == pairs  # discovery ran once: no barrier after the first call
+        assert measured == [tuple(range(world))]

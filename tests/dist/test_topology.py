@@ -32,7 +32,7 @@ def _discover_task(nodes: str, link: str):
             links = topo.links()
             choice = comm.allreduce_rounds.choose(4 << 20, 4, links)
             t = torch.ones(1 << 20)
-            comm.all_reduce(t, "sum", comm.world(), algorithm="auto", links=links)
+            comm.all_reduce(t, "sum", group=comm.world(), algorithm="auto", links=links)
             assert torch.equal(t, torch.full_like(t, float(shardwise.world_size())))
         return topo.to_dict(), choice
     finally:

@@ -136,3 +136,40 @@ def test_library_entry_points_have_no_default_group() -> None:
         assert group.kind is inspect.Parameter.KEYWORD_ONLY, fn.__name__
     assert inspect.signature(comm.all_reduce).parameters["group"].default is None
     assert inspect.signature(facade.broadcast).parameters["group"].default is None
+
+
+OPS_COLLECTIVES = set(ops.__all__) - {"P2P_ALL_GATHER_MIN_BYTES", "Handle", "chunk_sizes"}
+
+
+def ops_calls_without_group(source: str) -> list[str]:
+    """``ops.X(...)`` calls (``ops`` imported from ``shardwise.comm``) that pass no ``group=``:
+    the shared signatures type ``group`` as optional, so this check, not mypy, keeps library
+    code naming its group."""
+    tree = ast.parse(source)
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "shardwise.comm":
+            names |= {a.asname or a.name for a in node.names if a.name == "ops"}
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        f = node.func
+        if f.attr in OPS_COLLECTIVES and ast.unparse(f.value) in names:
+            if not any(k.arg == "group" for k in node.keywords):
+                found.append(f"{ast.unparse(f.value)}.{f.attr} (line {node.lineno})")
+    return found
+
+
+def test_the_check_finds_ops_calls_without_a_group() -> None:
+    src = "from shardwise.comm import ops\nops.all_reduce(t)\nops.send(t, 1, group=g)\n"
+    assert ops_calls_without_group(src) == ["ops.all_reduce (line 2)"]
+
+
+def test_library_calls_to_ops_name_their_group() -> None:
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        calls = ops_calls_without_group(path.read_text())
+        if calls:
+            offenders[str(path.relative_to(PACKAGE))] = calls
+    assert not offenders, f"ops collectives called without group=: {offenders}"

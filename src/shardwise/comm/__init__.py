@@ -8,7 +8,6 @@ from shardwise.comm.algorithms import ALGORITHMS
 from shardwise.comm.current_world import current, resolve
 from shardwise.comm.dispatch import Handle
 from shardwise.comm.facade import (
-    GroupLike,
     all_gather,
     all_gather_list,
     all_gather_object,
@@ -29,6 +28,7 @@ from shardwise.comm.facade import (
 )
 from shardwise.comm.groups import Group, World
 from shardwise.comm.ops import chunk_sizes
+from shardwise.comm.signatures import GroupLike
 from shardwise.comm.stats import CommStats
 from shardwise.comm.trace import CollectiveError, CollectiveTimeoutError, DesyncError
 

@@ -1,11 +1,12 @@
 """all_reduce by a chosen algorithm, run from the counted point-to-point ops.
 
-``all_reduce(t, op, group=..., algorithm=...)`` (``shardwise.comm.all_reduce`` with the group
-optional): ``"native"`` (the default)
-is the backend's own; ``"ring"``, ``"halving_doubling"``, ``"tree"`` and ``"hierarchical"`` run
-the schedules of ``shardwise.comm.allreduce_rounds`` over ``send``/``recv``; ``"auto"`` picks
-the one with the least predicted time from the measured links (``links=``, e.g.
-``shardwise.topology.discover(group).links(group)``) and the message size.
+``ops.all_reduce(t, op, group=..., algorithm=...)`` (``shardwise.comm.all_reduce`` with the
+group optional): ``"native"`` (the default) is the backend's own; ``"ring"``,
+``"halving_doubling"``, ``"tree"`` and ``"hierarchical"`` run the schedules of
+``shardwise.comm.allreduce_rounds`` over ``send``/``recv`` (``run``); ``"auto"`` picks the one with
+the least predicted time from the measured links (``links=``, e.g.
+``shardwise.topology.discover(group).links()``; the public facade measures them itself, see
+``comm.links``) and the message size.
 
 Every rank ends with the same bits (each element is reduced on one rank, then copied), equal to
 native for integer sums and within floating-point rounding otherwise. ``comm_stats()`` counts
@@ -17,93 +18,47 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any, Literal, overload
+from typing import Any
 
 import torch
 
-from shardwise.comm import allreduce_rounds, emulate, ops
+from shardwise.comm import allreduce_rounds, emulate
 from shardwise.comm.allreduce_rounds import GroupLinks, Transfer
-from shardwise.comm.dispatch import Handle, check_group, check_tensor, launch, nbytes
+from shardwise.comm.dispatch import Handle, launch, nbytes
 from shardwise.comm.gloo_exchange import combine, finish_avg
 from shardwise.comm.groups import Group
+from shardwise.comm.send_recv import recv, send
 
 ALGORITHMS = ("native", *allreduce_rounds.ALGORITHMS, "auto")
 
 
-@overload
-def all_reduce(
-    t: torch.Tensor,
-    op: str = ...,
-    *,
-    group: Group,
-    async_op: Literal[False] = ...,
-    algorithm: str = ...,
-    nodes: Sequence[int] | None = ...,
-    links: GroupLinks | None = ...,
-) -> torch.Tensor: ...
-@overload
-def all_reduce(
-    t: torch.Tensor,
-    op: str = ...,
-    *,
-    group: Group,
-    async_op: Literal[True],
-    algorithm: str = ...,
-    nodes: Sequence[int] | None = ...,
-    links: GroupLinks | None = ...,
-) -> Handle[torch.Tensor]: ...
-@overload
-def all_reduce(
-    t: torch.Tensor,
-    op: str = ...,
-    *,
-    group: Group,
-    async_op: bool,
-    algorithm: str = ...,
-    nodes: Sequence[int] | None = ...,
-    links: GroupLinks | None = ...,
-) -> torch.Tensor | Handle[torch.Tensor]: ...
-def all_reduce(
-    t: torch.Tensor,
-    op: str = "sum",
-    *,
-    group: Group,
-    async_op: bool = False,
-    algorithm: str = "native",
-    nodes: Sequence[int] | None = None,
-    links: GroupLinks | None = None,
-) -> torch.Tensor | Handle[torch.Tensor]:
-    """Reduce ``t`` in place across ``group`` (``op``: sum, avg, max, min).
-
-    Args:
-        algorithm: ``"native"``, ``"ring"``, ``"halving_doubling"``, ``"tree"``,
-            ``"hierarchical"`` or ``"auto"``.
-        nodes: for ``"hierarchical"``, the node of each group rank (any ints); default from
-            ``links``, else from the environment (``SHARDWISE_EMULATE_NODES`` or torchrun's
-            node-major layout).
-        links: the group's measured links, needed by ``"auto"``.
-        async_op: the algorithms other than native run to completion before returning; the
-            handle they return is already complete.
-
-    Communicates: native: one all_reduce; otherwise the algorithm's point-to-point messages
-    (ring and halving-doubling 2(p-1)/p of the tensor per rank, tree up to 2 ceil(log2 p)
-    tensors, hierarchical 2(G-1)/G inside the node and 2(N-1)/(N G) across nodes).
-    """
+def check_algorithm(algorithm: str) -> None:
     if algorithm not in ALGORITHMS:
         raise ValueError(f"all_reduce: unknown algorithm {algorithm!r}; allowed: {ALGORITHMS}")
-    g = check_group(group, "all_reduce")
-    if algorithm == "native":
-        return ops.all_reduce(t, op, group=g, async_op=async_op)
-    ops._reduce_op(op, "all_reduce")
-    check_tensor(t, "t", "all_reduce")
-    if op == "avg" and not t.is_floating_point():
-        raise TypeError(f"all_reduce: op 'avg' needs a floating dtype, got {t.dtype}")
+
+
+def run(
+    t: torch.Tensor,
+    op: str,
+    g: Group,
+    async_op: bool,
+    algorithm: str,
+    nodes: Sequence[int] | None,
+    links: GroupLinks | None,
+) -> torch.Tensor | Handle[torch.Tensor]:
+    """``ops.all_reduce`` by a schedule (any algorithm but native), its arguments checked.
+
+    The algorithms run to completion before returning; the handle of ``async_op`` is already
+    complete. ``nodes``: for ``"hierarchical"``, the node of each group rank (any ints);
+    default from ``links``, else from the environment (``SHARDWISE_EMULATE_NODES`` or
+    torchrun's node-major layout). ``links``: the group's measured links, needed by ``"auto"``.
+    """
     layout = _layout(g, nodes, links, algorithm)
     if algorithm == "auto":
         if links is None:
             raise ValueError(
                 "all_reduce: algorithm='auto' needs links= (the group's measured links, e.g. "
-                "shardwise.topology.discover(group).links(group))"
+                "shardwise.topology.discover(group).links())"
             )
         algorithm = allreduce_rounds.choose(nbytes(t), t.element_size(), links)
     flat = t.view(-1)
@@ -191,10 +146,10 @@ def run_schedule(
             else:
                 target = flat[x.lo : x.hi]
                 assert not out or not _overlap(x, out[0]), "a copy may not land on what is sent"
-            handles.append(ops.recv(target, g.ranks[x.src], group=g, async_op=True))
+            handles.append(recv(target, g.ranks[x.src], group=g, async_op=True))
         if out:
             x = out[0]
-            handles.append(ops.send(flat[x.lo : x.hi], g.ranks[x.dst], group=g, async_op=True))
+            handles.append(send(flat[x.lo : x.hi], g.ranks[x.dst], group=g, async_op=True))
         for h in handles:
             h.wait()
         if inc and inc[0].reduce:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from shardwise.comm import trace
 from shardwise.comm.groups import Group
@@ -81,6 +82,25 @@ def check_tensor(t: torch.Tensor, what: str, op: str) -> None:
         raise TypeError(f"{op}: dtype {t.dtype} of {what} is not supported; allowed: {names}")
     if not t.is_contiguous():
         raise ValueError(f"{op}: {what} is not contiguous; pass {what}.contiguous()")
+
+
+REDUCE_OPS: dict[str, Any] = {  # torch's ReduceOp members (typed RedOpType)
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+def check_reduce(op: str, t: torch.Tensor, name: str) -> Any:
+    """torch's ReduceOp for ``op`` (``avg`` is a sum, divided afterwards); ValueError /
+    TypeError naming ``name`` for an unknown op or an average of integers."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"{name}: unknown reduce op {op!r}; allowed: {', '.join(REDUCE_OPS)}")
+    check_tensor(t, "t", name)
+    if op == "avg" and not t.is_floating_point():
+        raise TypeError(f"{name}: op 'avg' needs a floating dtype, got {t.dtype}")
+    return REDUCE_OPS[op]
 
 
 def check_group(group: Group, op: str) -> Group:

@@ -1,190 +1,66 @@
 """The public collectives: ``ops`` with ``group`` optional, where None means the current world
 (and a torch ProcessGroup is accepted too). Library code calls ``ops`` with its group instead.
+
+Each function here is its ``ops`` function behind one wrapper, ``on_current_world``: the
+signatures are ``ops``' (``signatures``), with ``group`` defaulting to None.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Literal, overload
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
-import torch
-from torch.distributed import ProcessGroup
-
-from shardwise.comm import algorithms, mpi_split, objects, ops
-from shardwise.comm.allreduce_rounds import GroupLinks
+from shardwise.comm import links, mpi_split, objects, ops
 from shardwise.comm.current_world import current, resolve
-from shardwise.comm.dispatch import Handle
 from shardwise.comm.groups import Group
+from shardwise.comm.signatures import (
+    AllGather,
+    AllGatherList,
+    AllReduce,
+    AllReduceCoalesced,
+    Barrier,
+    Broadcast,
+    GroupLike,
+    Recv,
+    ReduceScatter,
+    Send,
+)
 
-GroupLike = Group | ProcessGroup | None
-
-
-@overload
-def all_reduce(
-    t: torch.Tensor,
-    op: str = ...,
-    group: GroupLike = ...,
-    async_op: Literal[False] = ...,
-    algorithm: str = ...,
-    nodes: Sequence[int] | None = ...,
-    links: GroupLinks | None = ...,
-) -> torch.Tensor: ...
-@overload
-def all_reduce(
-    t: torch.Tensor,
-    op: str = ...,
-    group: GroupLike = ...,
-    *,
-    async_op: Literal[True],
-    algorithm: str = ...,
-    nodes: Sequence[int] | None = ...,
-    links: GroupLinks | None = ...,
-) -> Handle[torch.Tensor]: ...
-@overload
-def all_reduce(
-    t: torch.Tensor,
-    op: str,
-    group: GroupLike,
-    async_op: Literal[True],
-    algorithm: str = ...,
-    nodes: Sequence[int] | None = ...,
-    links: GroupLinks | None = ...,
-) -> Handle[torch.Tensor]: ...
-def all_reduce(
-    t: torch.Tensor,
-    op: str = "sum",
-    group: GroupLike = None,
-    async_op: bool = False,
-    algorithm: str = "native",
-    nodes: Sequence[int] | None = None,
-    links: GroupLinks | None = None,
-) -> torch.Tensor | Handle[torch.Tensor]:
-    """Reduce ``t`` in place across ``group`` (None: the world) by ``algorithm``; see
-    ``algorithms.all_reduce``."""
-    return algorithms.all_reduce(
-        t,
-        op,
-        group=resolve(group),
-        async_op=async_op,
-        algorithm=algorithm,
-        nodes=nodes,
-        links=links,
-    )
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def all_reduce_coalesced(
-    tensors: Sequence[torch.Tensor], op: str = "sum", group: GroupLike = None
-) -> list[torch.Tensor]:
-    """One all_reduce per dtype over many small tensors; see ``ops.all_reduce_coalesced``."""
-    return ops.all_reduce_coalesced(tensors, op, group=resolve(group))
+def on_current_world(fn: F, prepare: Callable[[Group, dict[str, Any]], None] | None = None) -> F:
+    """``fn`` (an ``ops`` function) with its keyword ``group`` optional: None is the current
+    world, a torch ProcessGroup is adopted into it. ``prepare(group, kwargs)`` may fill in
+    further arguments from the resolved group before the call."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, group: GroupLike = None, **kwargs: Any) -> Any:
+        g = resolve(group)
+        if prepare is not None:
+            prepare(g, kwargs)
+        return fn(*args, group=g, **kwargs)
+
+    sig = inspect.signature(fn)
+    params = [
+        p.replace(default=None, annotation="GroupLike") if name == "group" else p
+        for name, p in sig.parameters.items()
+    ]
+    cast(Any, call).__signature__ = sig.replace(parameters=params)
+    return cast(F, call)
 
 
-@overload
-def broadcast(
-    t: torch.Tensor, src: int = ..., group: GroupLike = ..., async_op: Literal[False] = ...
-) -> torch.Tensor: ...
-@overload
-def broadcast(
-    t: torch.Tensor, src: int = ..., group: GroupLike = ..., *, async_op: Literal[True]
-) -> Handle[torch.Tensor]: ...
-def broadcast(
-    t: torch.Tensor, src: int = 0, group: GroupLike = None, async_op: bool = False
-) -> torch.Tensor | Handle[torch.Tensor]:
-    """Copy ``t`` from world rank ``src`` to the group, in place; see ``ops.broadcast``."""
-    return ops.broadcast(t, src, group=resolve(group), async_op=async_op)
-
-
-@overload
-def all_gather(
-    t: torch.Tensor,
-    group: GroupLike = ...,
-    async_op: Literal[False] = ...,
-    out: torch.Tensor | None = ...,
-) -> torch.Tensor: ...
-@overload
-def all_gather(
-    t: torch.Tensor,
-    group: GroupLike = ...,
-    *,
-    async_op: Literal[True],
-    out: torch.Tensor | None = ...,
-) -> Handle[torch.Tensor]: ...
-def all_gather(
-    t: torch.Tensor,
-    group: GroupLike = None,
-    async_op: bool = False,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor | Handle[torch.Tensor]:
-    """Every rank's ``t`` concatenated along dim 0; see ``ops.all_gather``."""
-    return ops.all_gather(t, group=resolve(group), async_op=async_op, out=out)
-
-
-def all_gather_list(t: torch.Tensor, group: GroupLike = None) -> list[torch.Tensor]:
-    """Every rank's ``t`` as a list in group-rank order (one all_gather)."""
-    return ops.all_gather_list(t, group=resolve(group))
-
-
-@overload
-def reduce_scatter(
-    t: torch.Tensor,
-    op: str = ...,
-    group: GroupLike = ...,
-    async_op: Literal[False] = ...,
-    out: torch.Tensor | None = ...,
-) -> torch.Tensor: ...
-@overload
-def reduce_scatter(
-    t: torch.Tensor,
-    op: str = ...,
-    group: GroupLike = ...,
-    *,
-    async_op: Literal[True],
-    out: torch.Tensor | None = ...,
-) -> Handle[torch.Tensor]: ...
-def reduce_scatter(
-    t: torch.Tensor,
-    op: str = "sum",
-    group: GroupLike = None,
-    async_op: bool = False,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor | Handle[torch.Tensor]:
-    """This rank's chunk of ``t`` reduced over the group; see ``ops.reduce_scatter``."""
-    return ops.reduce_scatter(t, op, group=resolve(group), async_op=async_op, out=out)
-
-
-@overload
-def send(
-    t: torch.Tensor, dst: int, group: GroupLike = ..., async_op: Literal[False] = ...
-) -> None: ...
-@overload
-def send(
-    t: torch.Tensor, dst: int, group: GroupLike = ..., *, async_op: Literal[True]
-) -> Handle[None]: ...
-def send(
-    t: torch.Tensor, dst: int, group: GroupLike = None, async_op: bool = False
-) -> Handle[None] | None:
-    """Send ``t`` to world rank ``dst``; see ``ops.send``."""
-    return ops.send(t, dst, group=resolve(group), async_op=async_op)
-
-
-@overload
-def recv(
-    t: torch.Tensor, src: int, group: GroupLike = ..., async_op: Literal[False] = ...
-) -> torch.Tensor: ...
-@overload
-def recv(
-    t: torch.Tensor, src: int, group: GroupLike = ..., *, async_op: Literal[True]
-) -> Handle[torch.Tensor]: ...
-def recv(
-    t: torch.Tensor, src: int, group: GroupLike = None, async_op: bool = False
-) -> torch.Tensor | Handle[torch.Tensor]:
-    """Receive into ``t`` from world rank ``src``; see ``ops.recv``."""
-    return ops.recv(t, src, group=resolve(group), async_op=async_op)
-
-
-def barrier(group: GroupLike = None) -> None:
-    """Wait for every rank of the group (default: the world)."""
-    ops.barrier(group=resolve(group))
+all_reduce: AllReduce = on_current_world(ops.all_reduce, links.fill_in)
+all_reduce_coalesced: AllReduceCoalesced = on_current_world(ops.all_reduce_coalesced)
+broadcast: Broadcast = on_current_world(ops.broadcast)
+all_gather: AllGather = on_current_world(ops.all_gather)
+all_gather_list: AllGatherList = on_current_world(ops.all_gather_list)
+reduce_scatter: ReduceScatter = on_current_world(ops.reduce_scatter)
+send: Send = on_current_world(ops.send)
+recv: Recv = on_current_world(ops.recv)
+barrier: Barrier = on_current_world(ops.barrier)
 
 
 def broadcast_object(obj: Any, src: int = 0, group: GroupLike = None) -> Any:

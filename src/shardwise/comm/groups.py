@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from shardwise.comm.allreduce_rounds import GroupLinks
 from shardwise.comm.stats import CommStats
 from shardwise.comm.trace import Tracer, debug_from_env
 
@@ -66,6 +67,8 @@ class World:
         self.debug: bool | None = None  # None: follow SHARDWISE_DEBUG_COLLECTIVES
         self._links: list[_Link] = []
         self._pg_link = self._link(pg)
+        # Measured links by group ranks, for the public all_reduce's "auto" (``comm.links``).
+        self.measured_links: dict[tuple[int, ...], GroupLinks] = {}
         self.group = Group(
             self._pg_link,
             tuple(range(world_size)),

@@ -4,22 +4,43 @@ These are the library's entry points: each takes its group as a required keyword
 group must not silently become the world). Users call the same functions through
 ``shardwise.comm`` (``facade``), where ``group=None`` means the current world. Each call is
 traced, counted in its group's ``CommStats`` and bounded by its group's timeout (``launch``);
-on gloo the large all_gather and every reduce_scatter go point-to-point (``p2p``).
+on gloo the large all_gather and every reduce_scatter go point-to-point (``p2p``). Each
+collective's call signature, with the overloads that type ``async_op=True`` as a ``Handle``, is
+written once in ``signatures``: the functions here are published under those types.
 """
 
 from __future__ import annotations
 
 import datetime
 from collections.abc import Sequence
-from typing import Any, Literal, overload
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from shardwise.comm import crossing, emulate, gloo_exchange
-from shardwise.comm.dispatch import Handle, check_group, check_tensor, launch, nbytes
+from shardwise.comm import algorithms, crossing, gloo_exchange
+from shardwise.comm.allreduce_rounds import GroupLinks
+from shardwise.comm.dispatch import (
+    Handle,
+    check_group,
+    check_reduce,
+    check_tensor,
+    launch,
+    nbytes,
+)
 from shardwise.comm.gloo_exchange import P2P_ALL_GATHER_MIN_BYTES, finish_avg
 from shardwise.comm.groups import Group
+from shardwise.comm.send_recv import recv, send
+from shardwise.comm.signatures import (
+    AllGather,
+    AllGatherList,
+    AllReduce,
+    AllReduceCoalesced,
+    Barrier,
+    Broadcast,
+    ReduceScatter,
+    publish,
+)
 
 __all__ = [
     "P2P_ALL_GATHER_MIN_BYTES",
@@ -36,47 +57,41 @@ __all__ = [
     "send",
 ]
 
-REDUCE_OPS: dict[str, Any] = {  # torch's ReduceOp members (typed RedOpType)
-    "sum": dist.ReduceOp.SUM,
-    "avg": dist.ReduceOp.SUM,
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-}
-
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _reduce_op(op: str, name: str) -> Any:
-    if op not in REDUCE_OPS:
-        raise ValueError(f"{name}: unknown reduce op {op!r}; allowed: {', '.join(REDUCE_OPS)}")
-    return REDUCE_OPS[op]
-
-
-@overload
-def all_reduce(
-    t: torch.Tensor, op: str = ..., *, group: Group, async_op: Literal[False] = ...
-) -> torch.Tensor: ...
-@overload
-def all_reduce(
-    t: torch.Tensor, op: str = ..., *, group: Group, async_op: Literal[True]
-) -> Handle[torch.Tensor]: ...
-@overload
-def all_reduce(
-    t: torch.Tensor, op: str = ..., *, group: Group, async_op: bool
-) -> torch.Tensor | Handle[torch.Tensor]: ...
-def all_reduce(
-    t: torch.Tensor, op: str = "sum", *, group: Group, async_op: bool = False
+def _all_reduce(
+    t: torch.Tensor,
+    op: str = "sum",
+    *,
+    group: Group,
+    async_op: bool = False,
+    algorithm: str = "native",
+    nodes: Sequence[int] | None = None,
+    links: GroupLinks | None = None,
 ) -> torch.Tensor | Handle[torch.Tensor]:
-    """Reduce ``t`` in place across the group. ``avg`` on gloo is a sum then a division.
+    """Reduce ``t`` in place across the group (``op``: sum, avg, max, min; ``avg`` on gloo is
+    a sum then a division).
 
-    Communicates: all_reduce of ``t`` (payload: t's bytes).
+    Args:
+        algorithm: ``"native"`` (the backend's own), ``"ring"``, ``"halving_doubling"``,
+            ``"tree"``, ``"hierarchical"`` or ``"auto"`` (``comm.algorithms``).
+        nodes: for ``"hierarchical"``, the node of each group rank (default from ``links``,
+            else from the environment).
+        links: the group's measured links, needed by ``"auto"``.
+        async_op: return a ``Handle``; the algorithms other than native complete first.
+
+    Communicates: native: one all_reduce of ``t`` (payload: t's bytes); otherwise the
+    algorithm's point-to-point messages (ring and halving-doubling 2(p-1)/p of the tensor per
+    rank, tree up to 2 ceil(log2 p) tensors, hierarchical 2(G-1)/G inside the node and
+    2(N-1)/(N G) across nodes).
     """
+    algorithms.check_algorithm(algorithm)
     g = check_group(group, "all_reduce")
-    rop = _reduce_op(op, "all_reduce")
-    check_tensor(t, "t", "all_reduce")
-    if op == "avg" and not t.is_floating_point():
-        raise TypeError(f"all_reduce: op 'avg' needs a floating dtype, got {t.dtype}")
+    rop = check_reduce(op, t, "all_reduce")
+    if algorithm != "native":
+        return algorithms.run(t, op, g, async_op, algorithm, nodes, links)
     return launch(
         "all_reduce",
         g,
@@ -90,7 +105,7 @@ def all_reduce(
     )
 
 
-def all_reduce_coalesced(
+def _all_reduce_coalesced(
     tensors: Sequence[torch.Tensor], op: str = "sum", *, group: Group
 ) -> list[torch.Tensor]:
     """All-reduce many small tensors as one flat buffer per dtype (one collective each), then
@@ -100,7 +115,7 @@ def all_reduce_coalesced(
         by_dtype.setdefault((t.dtype, t.device), []).append(t)
     for ts in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in ts])
-        all_reduce(flat, op=op, group=group)
+        all_reduce(flat, op, group=group)
         offset = 0
         for t in ts:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -108,19 +123,7 @@ def all_reduce_coalesced(
     return list(tensors)
 
 
-@overload
-def broadcast(
-    t: torch.Tensor, src: int = ..., *, group: Group, async_op: Literal[False] = ...
-) -> torch.Tensor: ...
-@overload
-def broadcast(
-    t: torch.Tensor, src: int = ..., *, group: Group, async_op: Literal[True]
-) -> Handle[torch.Tensor]: ...
-@overload
-def broadcast(
-    t: torch.Tensor, src: int = ..., *, group: Group, async_op: bool
-) -> torch.Tensor | Handle[torch.Tensor]: ...
-def broadcast(
+def _broadcast(
     t: torch.Tensor, src: int = 0, *, group: Group, async_op: bool = False
 ) -> torch.Tensor | Handle[torch.Tensor]:
     """Copy ``t`` from world rank ``src`` to every rank of the group, in place.
@@ -143,23 +146,7 @@ def broadcast(
     )
 
 
-@overload
-def all_gather(
-    t: torch.Tensor,
-    *,
-    group: Group,
-    async_op: Literal[False] = ...,
-    out: torch.Tensor | None = ...,
-) -> torch.Tensor: ...
-@overload
-def all_gather(
-    t: torch.Tensor, *, group: Group, async_op: Literal[True], out: torch.Tensor | None = ...
-) -> Handle[torch.Tensor]: ...
-@overload
-def all_gather(
-    t: torch.Tensor, *, group: Group, async_op: bool, out: torch.Tensor | None = ...
-) -> torch.Tensor | Handle[torch.Tensor]: ...
-def all_gather(
+def _all_gather(
     t: torch.Tensor, *, group: Group, async_op: bool = False, out: torch.Tensor | None = None
 ) -> torch.Tensor | Handle[torch.Tensor]:
     """Concatenate every rank's ``t`` along dim 0 in group-rank order (a 0-d tensor counts as
@@ -203,7 +190,7 @@ def all_gather(
     return launch("all_gather", g, [t], nbytes(full), issue, finish, async_op, inter_node_bytes=far)
 
 
-def all_gather_list(t: torch.Tensor, *, group: Group) -> list[torch.Tensor]:
+def _all_gather_list(t: torch.Tensor, *, group: Group) -> list[torch.Tensor]:
     """Every rank's ``t`` as a list in group-rank order (one all_gather)."""
     full = all_gather(t, group=group)
     return [c.reshape(t.shape) for c in full.chunk(group.size)]
@@ -229,34 +216,7 @@ def _staged_reduce_scatter(
     return staged, src.new_empty((width, *rest))
 
 
-@overload
-def reduce_scatter(
-    t: torch.Tensor,
-    op: str = ...,
-    *,
-    group: Group,
-    async_op: Literal[False] = ...,
-    out: torch.Tensor | None = ...,
-) -> torch.Tensor: ...
-@overload
-def reduce_scatter(
-    t: torch.Tensor,
-    op: str = ...,
-    *,
-    group: Group,
-    async_op: Literal[True],
-    out: torch.Tensor | None = ...,
-) -> Handle[torch.Tensor]: ...
-@overload
-def reduce_scatter(
-    t: torch.Tensor,
-    op: str = ...,
-    *,
-    group: Group,
-    async_op: bool,
-    out: torch.Tensor | None = ...,
-) -> torch.Tensor | Handle[torch.Tensor]: ...
-def reduce_scatter(
+def _reduce_scatter(
     t: torch.Tensor,
     op: str = "sum",
     *,
@@ -272,10 +232,7 @@ def reduce_scatter(
     Communicates: reduce_scatter (payload: the unreduced input's bytes).
     """
     g = check_group(group, "reduce_scatter")
-    rop = _reduce_op(op, "reduce_scatter")
-    check_tensor(t, "t", "reduce_scatter")
-    if op == "avg" and not t.is_floating_point():
-        raise TypeError(f"reduce_scatter: op 'avg' needs a floating dtype, got {t.dtype}")
+    rop = check_reduce(op, t, "reduce_scatter")
     src = t.reshape(-1) if t.dim() == 0 else t
     sizes = chunk_sizes(src.shape[0], g.size)
     offsets = [sum(sizes[:i]) for i in range(g.size)]
@@ -320,54 +277,7 @@ def reduce_scatter(
     )
 
 
-@overload
-def send(t: torch.Tensor, dst: int, *, group: Group, async_op: Literal[False] = ...) -> None: ...
-@overload
-def send(t: torch.Tensor, dst: int, *, group: Group, async_op: Literal[True]) -> Handle[None]: ...
-@overload
-def send(t: torch.Tensor, dst: int, *, group: Group, async_op: bool) -> Handle[None] | None: ...
-def send(t: torch.Tensor, dst: int, *, group: Group, async_op: bool = False) -> Handle[None] | None:
-    """Send ``t`` to world rank ``dst``. Communicates: t's bytes."""
-    g = check_group(group, "send")
-    check_tensor(t, "t", "send")
-    if dst not in g.ranks or dst == g.ranks[g.rank]:
-        raise ValueError(f"send: dst {dst} must be another rank of {g}")
-
-    def issue() -> list[Any]:
-        emulate.delay_send(g.world.rank, dst, nbytes(t), g.world.world_size)
-        return [dist.isend(t, dst, group=g.pg)]
-
-    far = crossing.send(g, dst, nbytes(t))
-    res = launch("send", g, [t], nbytes(t), issue, lambda: None, async_op, inter_node_bytes=far)
-    return res if async_op else None
-
-
-@overload
-def recv(
-    t: torch.Tensor, src: int, *, group: Group, async_op: Literal[False] = ...
-) -> torch.Tensor: ...
-@overload
-def recv(
-    t: torch.Tensor, src: int, *, group: Group, async_op: Literal[True]
-) -> Handle[torch.Tensor]: ...
-@overload
-def recv(
-    t: torch.Tensor, src: int, *, group: Group, async_op: bool
-) -> torch.Tensor | Handle[torch.Tensor]: ...
-def recv(
-    t: torch.Tensor, src: int, *, group: Group, async_op: bool = False
-) -> torch.Tensor | Handle[torch.Tensor]:
-    """Receive into ``t`` from world rank ``src``. Communicates: t's bytes."""
-    g = check_group(group, "recv")
-    check_tensor(t, "t", "recv")
-    if src not in g.ranks or src == g.ranks[g.rank]:
-        raise ValueError(f"recv: src {src} must be another rank of {g}")
-    return launch(
-        "recv", g, [t], nbytes(t), lambda: [dist.irecv(t, src, group=g.pg)], lambda: t, async_op
-    )
-
-
-def barrier(*, group: Group) -> None:
+def _barrier(*, group: Group) -> None:
     """Wait for every rank of the group (gloo names the ranks that did not arrive)."""
     g = check_group(group, "barrier")
 
@@ -380,3 +290,12 @@ def barrier(*, group: Group) -> None:
         return [dist.barrier(group=g.pg, async_op=True)]
 
     launch("barrier", g, [], 0, issue, lambda: None, False)
+
+
+all_reduce: AllReduce = publish(_all_reduce, "all_reduce")
+all_reduce_coalesced: AllReduceCoalesced = publish(_all_reduce_coalesced, "all_reduce_coalesced")
+broadcast: Broadcast = publish(_broadcast, "broadcast")
+all_gather: AllGather = publish(_all_gather, "all_gather")
+all_gather_list: AllGatherList = publish(_all_gather_list, "all_gather_list")
+reduce_scatter: ReduceScatter = publish(_reduce_scatter, "reduce_scatter")
+barrier: Barrier = publish(_barrier, "barrier")

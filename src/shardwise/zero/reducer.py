@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardwise.comm import algorithms, ops
+from shardwise.comm import ops
 from shardwise.comm.allreduce_rounds import GroupLinks
 from shardwise.zero.flat_param import FlatParam
 from shardwise.zero.partition import ParamSlot
@@ -145,7 +145,7 @@ class GradReducer:
         )
         scratch = None
         if not f.stage.shard_optimizer:
-            handle = algorithms.all_reduce(
+            handle = ops.all_reduce(
                 buf, "avg", group=f.group, async_op=True, algorithm=self.algorithm, links=self.links
             )
         elif not f.stage.shard_grads:
