@@ -312,8 +312,8 @@ def test_export_round_trip(tmp_path: Path) -> None:
     full = {f"model/{k}": v.detach().to(torch.bfloat16) for k, v in src.state_dict().items()}
     full["optim/proj.bias/exp_avg"] = torch.zeros(6)
     save_checkpoint(tmp_path / "ck", 1, _entries(full), {}, None)
-    names = export_consolidated(tmp_path / "ck", tmp_path / "model.safetensors")
-    assert names == ["embed.weight", "proj.bias", "proj.weight"]
+    names, naming = export_consolidated(tmp_path / "ck", tmp_path / "model.safetensors")
+    assert names == ["embed.weight", "proj.bias", "proj.weight"] and "plain" in naming
     loaded = load_file(tmp_path / "model.safetensors")
     assert all(t.dtype == torch.float32 for t in loaded.values())
     dst = _Tiny()

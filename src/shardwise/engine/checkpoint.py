@@ -15,10 +15,8 @@ world size, the (dp, tp) layout, ZeRO stage and precision may all differ from th
 tensor-parallel pieces are saved and read as boxes of their whole, unpadded tensors. A
 pipeline's stages each write their own parameters under the whole model's names (a tied weight
 once, by its first holder), so it loads at any (pp, dp) layout or into a plain ``Engine`` over
-the ``LayerStack`` of the same layers. The ranks
-that save together are the engine's whole mesh (or its dp group), which must be the world. RNG
-states are restored only at the same world size (rank r gets rank r's); otherwise every rank is
-re-seeded.
+the ``LayerStack`` of the same layers. The ranks that save together are the engine's whole mesh
+(or its dp group). RNG states are restored only at the same world size; otherwise re-seeded.
 Resuming skips damaged newer checkpoints and sets them aside (``damaged-step-N``), and rebuilds a
 lost journal from the manifests. Trainer and rank state: ``shardwise.engine.run_state``; full
 weights (export, ``load_pretrained``): ``shardwise.engine.weights``.
