@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from shardwise.cli import plan_measure
 from shardwise.costmodel import Hardware, ModelShape, hardware, shape
 from shardwise.costmodel.hardware import PRESETS as HARDWARE
 from shardwise.costmodel.predict import Prediction
@@ -34,6 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--scaling", default=None, help="device counts for weak scaling, e.g. 1,2,4,8,16,64"
     )
     p.add_argument("--sequences-per-device", type=int, default=8, help="for --scaling")
+    plan_measure.add_measure_args(p)
     p.set_defaults(func=run_plan)
 
 
@@ -47,6 +49,10 @@ def _row(i: int, pr: Prediction) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    if args.measure:
+        return plan_measure.run_measured(args)
+    if args.run_top:
+        raise ValueError("--run-top runs layouts on this machine's ranks: add --measure")
     model, hw = shape(args.model), hardware(args.hardware)
     if args.scaling:
         return _scaling(args, model, hw)

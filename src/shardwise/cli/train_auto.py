@@ -71,7 +71,7 @@ def pins(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k) for k in layout_choice.PINNABLE if getattr(args, k) is not None}
 
 
-def _row(i: int, r: Ranked, best_step: float) -> str:
+def row(i: int, r: Ranked, best_step: float) -> str:
     p = r.prediction
     parts = " ".join(f"{k} {v * 1e3:.0f}ms" for k, v in p.breakdown.items() if v > 5e-4)
     return (f"{i:>2} {r.layout.describe():<64} {p.step_s:>8.3f} {p.step_s / best_step:>6.2f}x "
@@ -105,11 +105,11 @@ def _refuse_if_nothing_fits(base: RunConfig, global_batch: int, nproc: int) -> N
     )
 
 
-def _calibrate(args: argparse.Namespace, base: RunConfig) -> Calibration:
+def calibrate(args: argparse.Namespace, base: RunConfig) -> Calibration:
     """Launch the calibration on the command's ranks; its JSON back."""
     memory, _ = preflight.memory_per_rank(args.nproc_per_node)
     probe = dataclasses.replace(base.train, tp=1, pp=1, dp_replicate=1, sequence_parallel=False)
-    engine = base.engine.replace(micro_batch_size=min(2, base.global_batch_size),
+    engine = base.engine.replace(micro_batch_size=min(4, base.global_batch_size),
                                  gradient_accumulation_steps=1, zero_stage=0,
                                  pipeline_schedule="1f1b", pipeline_microbatches=1,
                                  pipeline_virtual_stages=1, activation_checkpointing=None,
@@ -160,7 +160,7 @@ def plan_run(args: argparse.Namespace, base: RunConfig) -> tuple[RunConfig, dict
         raise ValueError(f"--global-batch must be >= 1, got {args.global_batch}")
     batch = args.global_batch or base.global_batch_size
     _refuse_if_nothing_fits(base, batch, args.nproc_per_node)
-    calib = _calibrate(args, base)
+    calib = calibrate(args, base)
     print(f"shardwise train --auto: {calib.describe()}", flush=True)
     given = pins(args)
     choice = layout_choice.choose(
@@ -178,7 +178,7 @@ def plan_run(args: argparse.Namespace, base: RunConfig) -> tuple[RunConfig, dict
     print(f"searched {choice.result.searched} layouts, {len(ranked)} fit; best {shown} "
           "(predicted step s, vs the best, memory per rank, breakdown):")  # fmt: skip
     for i, r in enumerate(ranked[:TOP], 1):
-        print(_row(i, r, best_step))
+        print(row(i, r, best_step))
     print(f"running #1: {ranked[0].layout.describe()}", flush=True)
     return layout_choice.run_config(base, ranked[0].layout), plan_record(
         calib, choice, ranked[0], given

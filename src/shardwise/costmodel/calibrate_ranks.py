@@ -30,12 +30,15 @@ QUICK_BUDGET_S = 20.0
 
 @dataclass(frozen=True)
 class ComputeProbe:
-    """A timed callable: one training step of ``micro_batch`` sequences of the model on one rank
-    alone (no communication), at ``precision``."""
+    """Timed callables: one training step of ``micro_batch`` sequences of the model on one rank
+    alone (no communication), at ``precision``, as one micro-batch (``step``) and as
+    ``micro_batch`` micro-batches of one sequence (``split``, None: not timed): the difference
+    is the overhead of the extra micro-batches."""
 
     step: Callable[[], object]
     micro_batch: int
     precision: str
+    split: Callable[[], object] | None = None
 
 
 @dataclass
@@ -73,7 +76,8 @@ class Calibration:
         return (
             f"calibrated in {total:.1f} s of a {self.budget_s:g} s budget{over} ({parts}): "
             f"{hw.peak_flops / 1e9:.2f} GFLOP/s per rank, memory "
-            f"{hw.memory_bw_bytes_per_s / 1e9:.1f} GB/s, {link}, sync loss {hw.sync_loss:.1%}"
+            f"{hw.memory_bw_bytes_per_s / 1e9:.1f} GB/s, {link}, sync loss {hw.sync_loss:.1%}, "
+            f"{hw.micro_batch_overhead_s * 1e3:.1f} ms per micro-batch"
         )
 
 
@@ -103,17 +107,17 @@ def _slowest(group: Group, seconds: float) -> float:
     return float(took.item())
 
 
-def _time_probe(probe: ComputeProbe, group: Group, budget_s: float) -> float:
-    """Median seconds of the probe's step (at least 3 timed, as many as ``budget_s`` allows
-    up to 10), the slowest rank's; every rank steps at once."""
+def _time_probe(step: Callable[[], object], group: Group, budget_s: float) -> float:
+    """Median seconds of ``step`` (at least 3 timed, as many as ``budget_s`` allows up to 10),
+    the slowest rank's; every rank steps at once."""
     dev = current_world.device()
-    probe.step()  # warm-up: allocation, first-call costs
+    step()  # warm-up: allocation, first-call costs
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < 3 or (len(times) < 10 and time.perf_counter() - start < budget_s):
         ops.barrier(group=group)
         t0 = calibrate._clock(dev)
-        probe.step()
+        step()
         times.append(calibrate._clock(dev) - t0)
         # every rank runs the same number of steps: rank 0's clock decides
         more = torch.tensor([float(time.perf_counter() - start < budget_s)], device=dev)
@@ -160,12 +164,18 @@ def calibrate_ranks(
     host_bw = _host_bandwidth()
     spent["memory"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    step_s = _time_probe(probe, group, 0.3 * budget_s)
+    share = 0.15 if probe.split is not None else 0.3
+    step_s = _time_probe(probe.step, group, share * budget_s)
+    overhead = 0.0
+    if probe.split is not None and probe.micro_batch > 1:
+        split_s = _time_probe(probe.split, group, share * budget_s)
+        overhead = max(0.0, (split_s - step_s) / (probe.micro_batch - 1))
     spent["compute"] = time.perf_counter() - t0
     plan = Plan(micro_batch=probe.micro_batch, precision=probe.precision)
     unit = measured((LinkCost(0, 0), LinkCost(0, 0)), 1, 1.0, 1 << 62, membw)
     base = predict(shape, plan, unit)  # compute seconds at 1 FLOP/s = the step's FLOPs
-    flops = base.breakdown["compute"] / max(step_s - base.breakdown["optimizer"], 1e-9)
+    busy = step_s - base.breakdown["optimizer"] - overhead
+    flops = base.breakdown["compute"] / max(busy, 0.1 * step_s)
     intra = inter = LinkCost(0.0, 0.0)
     fits: dict[str, LinkCost] = {}
     sync = 0.0
@@ -195,5 +205,6 @@ def calibrate_ranks(
         collectives=fits,
         overlap=overlap,
         sync_loss=min(sync, 0.9),
+        micro_batch_overhead_s=overhead,
     )
     return Calibration(hw, spent, budget_s, host_bw)

@@ -34,7 +34,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     world = shardwise.init()
     alone = comm.split(world.rank, 0)  # each rank its own one-rank group: no communication
     trial = Trial(run, world, group=alone)
-    probe = ComputeProbe(trial.step, run.micro_batch, run.engine.precision)
+    b = run.micro_batch  # the same sequences as b micro-batches of one: their overhead
+    split_run = RunConfig(train=run.train, world_size=run.world_size, launch=run.launch,
+                          engine=run.engine.replace(micro_batch_size=1,
+                                                    gradient_accumulation_steps=b))  # fmt: skip
+    split = Trial(split_run, world, group=alone).step if b > 1 else None
+    probe = ComputeProbe(trial.step, b, run.engine.precision, split)
     shape = gpt_shape(run.train.model, run.model)
     calib = calibrate_ranks(
         world.group, shape, probe, args.budget_s, args.devices_per_node, args.memory_bytes
