@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from shardwise.bytesize import format_bytes
 from shardwise.cli import train_preflight as preflight
 from shardwise.cli.launch import launch
@@ -87,17 +89,16 @@ def _placeholder(memory_bytes: int, devices_per_node: int) -> Any:
 def _refuse_if_nothing_fits(base: RunConfig, global_batch: int, nproc: int) -> None:
     memory, _ = preflight.memory_per_rank(nproc)
     hw = _placeholder(memory, nproc)
-    choice = layout_choice.choose(base, hw, global_batch, {}, [], host_bw_bytes_per_s=1.0)
+    gpu = torch.cuda.is_available()  # offload saves device memory only where it is not the host
+    choice = layout_choice.choose(base, hw, global_batch, {}, [], 1.0 if gpu else 0.0)
     if choice.result.ranked:
         return
     least = choice.result.smallest
     need = "no layout" if least is None else format_bytes(least.prediction.memory["total"])
-    space = layout_choice.train_space(base.engine.precision, False, lambda _: True)
+    space = layout_choice.train_space(base.engine.precision, gpu, lambda _: True)
     stages = layout_choice.gpt_stage_layers(base.model)
     n = ranks_to_fit(choice.shape, hw, space, base.world_size * 2, stages)
-    where = (
-        f"it would fit on {n} such ranks" if n else "no count of such ranks up to 16384 holds it"
-    )
+    where = f"it would fit on {n} such ranks" if n else "no count of such ranks up to 4096 holds it"
     raise ValueError(
         f"--auto: no layout of the {base.train.model} model (seq {base.model.seq_len}, global "
         f"batch {global_batch}) fits {base.world_size} ranks of {format_bytes(memory)}: the "

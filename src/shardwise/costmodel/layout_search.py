@@ -287,14 +287,25 @@ def ranks_to_fit(
     space: SearchSpace,
     start: int,
     stages: StageLayers | None = None,
-    limit: int = 1 << 14,
+    limit: int = 1 << 12,
 ) -> int | None:
     """The smallest power-of-two device count from ``start`` at which some layout of ``space``
-    (one sequence per dp rank, the devices all in one node) fits, or None up to ``limit``."""
+    fits, or None up to ``limit``: the least memory a count allows, so its meshes with one
+    sequence per dp rank and ``space``'s most frugal choices (ZeRO-3 if searched, the most
+    recomputation, one sequence per micro-batch), the devices all in one node."""
     n = 1
     while n < start:
         n *= 2
-    unpinned = dataclasses.replace(space, keep=None)
+    frugal = {"none": 0, "selective": 1, "full": 2}
+    unpinned = dataclasses.replace(
+        space,
+        keep=None,
+        zero_stages=(max(space.zero_stages),),
+        recompute=(max(space.recompute, key=frugal.__getitem__),),
+        micro_batches=(1,),
+        allreduce_algorithms=("native",),
+        schedules=("1f1b",),
+    )
     while n <= limit:
         wide = dataclasses.replace(hw, devices_per_node=max(hw.devices_per_node, n))
         if search(shape, n, wide, n, unpinned, stages).ranked:
