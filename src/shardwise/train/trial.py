@@ -45,6 +45,7 @@ class Trial:
         else:
             built = build_model(run, mesh)
             dp_rank, dp_size = mesh.group("dp").rank, mesh.group("dp").size
+        built.module.to(current_world.device())  # a GPU rank times its GPU
         opt = torch.optim.AdamW(param_groups(built.module, 0.1), lr=1e-4, betas=(0.9, 0.95))
         cfg = run.engine.replace(checkpoint_dir=None, checkpoint_every=0)
         self.engine = shardwise.initialize(built.module, opt, cfg, group=mesh)
