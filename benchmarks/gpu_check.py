@@ -9,6 +9,8 @@ step time of the built-in GPT and its MFU.
 2. One rank, ZeRO-0: median step (after 3 warm-ups) in fp32 and bf16, tokens/s, the bf16 speedup,
    and MFU = model FLOPs per step (``shardwise.costmodel``: 6 x parameters x tokens plus
    attention) / step time / the device's dense bf16 peak (the matching preset's).
+3. The ``--auto`` loop on the GPU: ``shardwise plan --measure --devices 1 --run-top 3`` on the
+   ``--auto-model`` (calibrated on NCCL, the best three layouts run), predicted against measured.
 """
 
 from __future__ import annotations
@@ -38,6 +40,17 @@ def _pytest() -> str:
     print(proc.stdout[-4000:], proc.stderr[-2000:], sep="\n")
     lines = proc.stdout.strip().splitlines()
     return lines[-1] if lines else f"pytest exited {proc.returncode}"
+
+
+def _auto_loop(model: str) -> str:
+    cmd = [sys.executable, "-m", "shardwise.cli.main", "plan", "--measure", "--model", model,
+           "--devices", "1", "--global-batch", "16", "--auto-budget-s", "20", "--run-top", "3",
+           "--run-steps", "5"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    print(proc.stdout[-4000:], proc.stderr[-2000:], sep="\n")
+    return (
+        proc.stdout[-4000:] if proc.returncode == 0 else f"plan --measure exited {proc.returncode}"
+    )
 
 
 def _step_time(model_name: str, micro: int, steps: int, precision: str, port: int) -> dict:
@@ -83,6 +96,7 @@ def main() -> int:
     p.add_argument("--model", default="gpt2")
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--auto-model", default="small", help="model of the --auto loop check")
     p.add_argument("--json")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -107,6 +121,7 @@ def main() -> int:
               f"{r['tokens_per_s']:,.0f} tokens/s, MFU {r['mfu']:.1%} of {preset}'s bf16 peak, "
               f"peak allocated {r['peak_allocated_mib']:,.0f} MiB")  # fmt: skip
     print(f"bf16 speedup over fp32: {out['bf16_speedup']:.2f}x")
+    out["auto_loop"] = _auto_loop(args.auto_model)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

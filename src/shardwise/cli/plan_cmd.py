@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from shardwise.cli import plan_measure
 from shardwise.cli.estimate_cmd import parse_count
 from shardwise.costmodel import Hardware, ModelShape, hardware, shape
 from shardwise.costmodel.hardware import PRESETS as HARDWARE
@@ -44,6 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--sequences-per-device", type=int, default=None, help="with --scaling (default 8)"
     )
+    plan_measure.add_measure_args(p)
     p.set_defaults(func=run_plan)
 
 
@@ -70,6 +72,13 @@ def _only_with_scaling(args: argparse.Namespace) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    if args.measure:
+        if args.global_batch is not None:
+            args.global_batch = parse_count(args.global_batch, "--global-batch", MAX_GLOBAL_BATCH)
+        args.top = 5 if args.top is None else args.top
+        return plan_measure.run_measured(args)
+    if args.run_top:
+        raise ValueError("--run-top runs layouts on this machine's ranks: add --measure")
     _only_with_scaling(args)
     model, hw = shape(args.model), hardware(args.hardware)
     if args.scaling is not None:

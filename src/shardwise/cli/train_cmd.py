@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from shardwise.cli import train_auto
 from shardwise.cli import train_preflight as preflight
 from shardwise.cli.launch import DEFAULT_GRACE_S, add_launch_args, check_launch_args, launch
 from shardwise.cli.run_agent import STOPPED_CODES, LaunchResult
@@ -145,6 +146,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="with --pp: pipeline micro-batches each --micro-batch is split into (default: pp)",
     )
+    train_auto.add_auto_args(p)
     r = p.add_argument_group("run directory")
     r.add_argument(
         "--run-dir",
@@ -349,7 +351,12 @@ def _stop_message(run_dir: RunDir, result: LaunchResult, before: int | None) -> 
 
 def run_train(args: argparse.Namespace) -> int:
     _check_engine_flags(args)
+    if args.auto and args.resume:
+        raise ValueError("--auto chooses a new run's layout: a resumed run keeps its own")
     run, run_dir = _resumed_run(args) if args.resume else _new_run(args)
+    plan = None
+    if args.auto:
+        run, plan = train_auto.plan_run(args, run)
     if not args.resume:
         preflight.check_layout(run)
         preflight.check_data(run)
@@ -362,6 +369,8 @@ def run_train(args: argparse.Namespace) -> int:
         if not args.resume and run_dir.exists():  # another job started it meanwhile
             raise ValueError(f"{run_dir.root} already holds a run: pass --resume to continue it")
         preflight.write_config(run, run_dir)
+        if plan is not None:
+            train_auto.write_plan(plan, run_dir.root)
         print(
             f"shardwise train: {run.train.model} model, {run.world_size} ranks "
             f"({run.layout()}), "

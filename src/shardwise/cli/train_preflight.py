@@ -49,7 +49,8 @@ def check_data(run: RunConfig) -> None:
     check_corpus_fits(corpus, run.model.seq_len)
 
 
-def _memory_per_rank(nproc_per_node: int) -> tuple[int, str]:
+def memory_per_rank(nproc_per_node: int) -> tuple[int, str]:
+    """Bytes one rank may use (a GPU's memory, or the host's shared by the ranks), in words."""
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).total_memory, "each GPU's memory"
     total = psutil.virtual_memory().total
@@ -77,7 +78,7 @@ def check_memory(run: RunConfig, nproc_per_node: int) -> None:
         offload=eng.offload_optimizer,
         reduce_dtype=eng.reduce_dtype,
     )[eng.zero_stage].total_bytes
-    have, where = _memory_per_rank(nproc_per_node)
+    have, where = memory_per_rank(nproc_per_node)
     if act + states > have:
         raise ValueError(
             f"one rank needs about {format_bytes(act + states)} ({format_bytes(act)} of "

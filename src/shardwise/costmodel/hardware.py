@@ -34,6 +34,10 @@ class Hardware:
     cold. It applies where a step meets often (tensor parallel, pipeline); the once-per-step
     meeting of data parallelism is already in a step-time calibration. Measured by
     ``calibrate.measure_sync_loss``; 0 in the presets (their calibrations come from whole runs).
+
+    ``micro_batch_overhead_s`` (measured hardware): the fixed seconds of one micro-batch's
+    forward and backward besides its FLOPs (launches, the framework's own work), which make
+    many small micro-batches slower than few large ones; 0 in the presets.
     """
 
     name: str
@@ -48,6 +52,7 @@ class Hardware:
     collectives: Mapping[str, LinkCost] = field(default_factory=dict)
     overlap: bool = True
     sync_loss: float = 0.0
+    micro_batch_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.sync_loss < 1:
@@ -182,6 +187,7 @@ def measured(
     collectives: Mapping[str, LinkCost] | None = None,
     overlap: bool = True,
     sync_loss: float = 0.0,
+    micro_batch_overhead_s: float = 0.0,
 ) -> Hardware:
     """Hardware from what was measured here: ``links`` = (intra, inter) from
     ``Topology.links()``, ``flops`` from ``measure_matmul_flops`` or a timed step (taken as fully
@@ -202,4 +208,5 @@ def measured(
         collectives=dict(collectives or {}),
         overlap=overlap,
         sync_loss=sync_loss,
+        micro_batch_overhead_s=micro_batch_overhead_s,
     )

@@ -23,6 +23,9 @@ from shardwise.precision import PRECISIONS
 from shardwise.zero.stage import STAGES, ZeroStage
 
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
+MASTER_AND_ADAM_BYTES = 12
+"""Per parameter: an fp32 master copy and Adam's two fp32 moments (the master is the weight
+itself in fp32)."""
 """Bytes of one parameter, gradient or activation element in each precision."""
 FP32_BYTES = 4
 

@@ -2,7 +2,8 @@
 
 Per device and step (every term in seconds, ``Prediction.breakdown``):
 
-- compute: FLOPs of forward, backward and recomputation at ``Hardware.flops``, on the busiest
+- compute: FLOPs of forward, backward and recomputation at ``Hardware.flops``, plus
+  ``Hardware.micro_batch_overhead_s`` per micro-batch and virtual stage, on the busiest
   pipeline rank (the last holds the output head; ``Plan.stage_layers`` says how the layers are
   split, else evenly);
 - tp: tensor-parallel collectives, not overlapped: 2 all-reduces (or all-gather + reduce-scatter
@@ -185,7 +186,7 @@ def _pipeline(
     for rank, n in enumerate(layers):
         model_mb, hw_mb = _flops_per_micro_batch(shape, plan, n, rank == plan.pp - 1)
         model_flops, hw_flops = model_flops + model_mb, hw_flops + hw_mb
-        comp.append(hw_mb / hw.flops)
+        comp.append(hw_mb / hw.flops + hw.micro_batch_overhead_s * plan.virtual_stages)
         tps.append(_tp_seconds(shape, plan, hw, n))
         busy.append(comp[-1] + tps[-1])
     top = max(range(plan.pp), key=lambda i: busy[i])

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shardwise.models.gpt import GPTConfig
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,14 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
+def gpt_shape(name: str, cfg: GPTConfig) -> ModelShape:
+    """The shape of shardwise's built-in GPT with config ``cfg`` (tied embeddings)."""
+    c = cfg
+    return ModelShape(
+        name, c.n_layer, c.d_model, c.n_head, c.vocab_size, c.seq_len, tied_embeddings=True
+    )
+
+
 def shape(name: str) -> ModelShape:
     """A preset above, or shardwise's built-in GPT sizes (``tiny`` .. ``gpt2``)."""
     if name in PRESETS:
@@ -101,9 +113,6 @@ def shape(name: str) -> ModelShape:
     from shardwise.models.gpt import MODEL_SIZES
 
     if name in MODEL_SIZES:
-        c = MODEL_SIZES[name]
-        return ModelShape(
-            name, c.n_layer, c.d_model, c.n_head, c.vocab_size, c.seq_len, tied_embeddings=True
-        )
+        return gpt_shape(name, MODEL_SIZES[name])
     names = sorted([*PRESETS, *MODEL_SIZES])
     raise ValueError(f"unknown model {name!r}; choose one of {', '.join(names)}")

@@ -27,6 +27,7 @@ from shardwise.train.metrics import MetricsWriter, read_metrics
 from shardwise.train.options import RunConfig
 from shardwise.train.parallel import build_mesh, build_model
 from shardwise.train.pipeline_metrics import local_times, pipeline_record
+from shardwise.train.plan_check import PlanCheck
 from shardwise.train.progress import Progress, format_rate
 from shardwise.train.rundir import RunDir
 from shardwise.train.stop import StopRequest
@@ -104,6 +105,8 @@ class Trainer:
         world.stats.reset()  # setup's broadcasts and loading are not the first step's
         self.last_val: float | None = None
         self.prior_wall_s = 0.0  # earlier launches of a resumed run (rank 0 knows it)
+        # an --auto run's prediction, checked against its steps (rank 0)
+        self.check = PlanCheck.load(run_dir.root) if self.rank == 0 else None
 
     # ---- one step ----
 
@@ -135,7 +138,9 @@ class Trainer:
                 self.engine.backward(loss)
                 losses.append(float(loss.detach()))
             memory = self.engine.memory()  # gradients are held: the step's peak of model states
+            t_opt = time.perf_counter()
             self.engine.step()
+            extra["optimizer_s"] = time.perf_counter() - t_opt
         step_time = time.perf_counter() - t0
         # exposed time first: snapshot(reset=True) clears it too
         exposed = self.world.stats.exposed()
@@ -207,10 +212,14 @@ class Trainer:
             "elapsed_s": time.perf_counter() - self.started,
             "wall_s": self.prior_wall_s + time.perf_counter() - self.started,
         }
-        if self.pipe is not None:
+        if self.pipe is None:
+            record["optimizer_s"] = max(p["optimizer_s"] for p in parts)
+        else:
             record["pipeline"] = pipeline_record(parts, self.mesh)
         if val_loss is not None:
             record["val_loss"] = val_loss
+        if self.check is not None:
+            self.check.observe(record)
         return record
 
     def _save_checkpoint(self) -> None:
@@ -302,6 +311,9 @@ class Trainer:
             final_val_loss=vals[-1] if vals else None,
             wall_time_s=self.prior_wall_s + time.perf_counter() - self.started,
         )
+        if self.check is not None:
+            peaks = summary["memory"]["measured_peak_per_rank"]
+            summary["plan"] = self.check.summary(records, [p["model_states"] for p in peaks])
         write_summary(self.dir.summary, summary)
         val = summary["final_val_loss"]
         rate = summary["tokens_per_s"]

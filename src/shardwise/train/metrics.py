@@ -14,6 +14,9 @@ Keys of a step record (units in the names where they have one):
   the step, when gradients are held (under ``--pp``: after the step).
 - ``pipeline``: only under ``--pp``, ``{"stages": [{"stage", "pp_rank", "forward_s",
   "backward_s"}], "bubble_fraction"}`` (see ``shardwise.train.pipeline_metrics``).
+- ``optimizer_s``: without ``--pp``, the slowest rank's seconds in the optimizer step.
+- ``predicted_step_time_s``: only in an ``--auto`` run, the cost model's step time of the chosen
+  layout (see ``shardwise.train.plan_check``).
 - ``val_loss``: only on evaluation steps, the validation loss averaged over ranks.
 - ``elapsed_s``: seconds since the ranks started (this launch); ``wall_s``: seconds of the whole
   run so far, over every launch of a resumed run (earlier launches up to their last record).

@@ -2,7 +2,9 @@
 
 Reads ``config.json``, ``metrics.jsonl`` and (once the run ended) ``summary.json`` of a run
 directory; writes ``loss.png``, ``throughput.png``, ``memory.png``, ``comm.png`` and
-``report.html`` into ``<run>/report/`` (or another directory). Works on a run still in progress.
+``report.html`` into ``<run>/report/`` (or another directory); for an ``--auto`` run also
+``prediction.png``, the cost model's step against the measured one. Works on a run still in
+progress.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from shardwise.bytesize import format_bytes
 from shardwise.train import plots
 from shardwise.train.metrics import read_metrics
 from shardwise.train.options import RunConfig
+from shardwise.train.plan_check import PlanCheck
 from shardwise.train.progress import format_duration, format_rate
 from shardwise.train.rundir import RunDir
 from shardwise.train.summary import build_summary, read_summary
@@ -162,6 +165,14 @@ def write_report(run_root: Path, out_dir: Path | None = None) -> list[Path]:
         ).name,
         "Communication vs computation": plots.plot_comm(records, out / "comm.png").name,
     }
+    check = PlanCheck.load(run_dir.root)  # an --auto run: its prediction against its steps
+    if check is not None:
+        from shardwise.train.plan_plots import plot_prediction
+
+        plan = summary.get("plan") or check.summary(records, [])
+        images["Predicted against measured step time"] = plot_prediction(
+            records, plan, out / "prediction.png"
+        ).name
     page = out / "report.html"
     page.write_text(_page(run_dir, config, summary, images), encoding="utf-8")
     return [out / name for name in images.values()] + [page]

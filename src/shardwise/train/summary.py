@@ -6,7 +6,8 @@ Keys: ``status`` ("finished" or "stopped by SIGINT"...), ``steps``, ``final_val_
 every launch of a resumed run, each from the start of its ranks to its end or last record),
 ``memory`` (per rank: measured peak bytes by category next to ``shardwise.estimate``'s
 model-state estimate for the run's stage, precision and world size, plus the estimated
-activation bytes).
+activation bytes); in an ``--auto`` run, ``plan``: the chosen layout with its predicted and
+measured step, terms, memory and communication (``shardwise.train.plan_check``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,157 @@
+"""Where ``--auto``'s choice lands among every layout that fits: for the built-in GPT at two sizes
+and two global batches, the ranks are calibrated as ``shardwise train --auto`` calibrates them,
+every fitting layout the train command can run is priced, and the layouts (all of them, or
+``--max-layouts`` spread evenly over the predicted ranking, always with the predicted best) run
+``--steps`` steps each in ``--rounds`` interleaved turns (engines kept alive between turns, so a
+drift in the machine's speed hits all alike); medians.
+
+    python benchmarks/auto_plan.py [--models tiny,small] [--batches 8,16] [--ranks 2,4]
+        [--max-layouts 10] [--steps 3] [--rounds 3] [--budget-s 20] [--json F]
+
+Per configuration: each layout's measured step, predicted step and both ranks, ``*`` on
+``--auto``'s choice (the predicted best), its gap to the fastest measured layout, and the rank
+correlation (Spearman) of predicted and measured step times. Rows at 4 ranks are for
+information (more ranks than cores here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from typing import Any
+
+from provenance import source_version
+
+_TRIALS: dict[str, Any] = {}  # per worker process: the engine of each layout, built once
+
+
+def calibrate_rank(model: str, budget_s: float) -> dict:
+    import torch
+
+    import shardwise
+    from shardwise import comm
+    from shardwise.comm import current_world
+    from shardwise.costmodel.calibrate_ranks import ComputeProbe, calibrate_ranks
+    from shardwise.costmodel.shapes import gpt_shape
+    from shardwise.train.trial import Trial
+
+    torch.set_num_threads(1)
+    world = current_world.current()
+    n = shardwise.world_size()
+    alone = comm.split(world.rank, 0)
+    one, split = (_run(model, n, b, accum) for b, accum in ((4, 1), (1, 4)))
+    probe = ComputeProbe(Trial(one, world, alone).step, 4, "fp32",
+                         Trial(split, world, alone).step)  # fmt: skip
+    shape = gpt_shape(model, one.model)
+    return calibrate_ranks(world.group, shape, probe, budget_s, n, 4 << 30).to_dict()
+
+
+def _run(model: str, n: int, micro: int, accum: int) -> Any:
+    from shardwise.config import Config
+    from shardwise.train.options import RunConfig, TrainOptions
+
+    engine = Config(micro_batch_size=micro, gradient_accumulation_steps=accum)
+    return RunConfig(train=TrainOptions(model=model), engine=engine, world_size=n,
+                     launch={"nproc_per_node": n})  # fmt: skip
+
+
+def time_rank(key: str, run_dict: dict, steps: int, warmup: int) -> list[float]:
+    import torch
+
+    from shardwise.comm import current_world
+    from shardwise.train.options import RunConfig
+    from shardwise.train.trial import Trial
+
+    torch.set_num_threads(1)
+    if key not in _TRIALS:
+        _TRIALS[key] = Trial(RunConfig.from_dict(run_dict), current_world.current())
+    return _TRIALS[key].timed(steps, warmup)
+
+
+def _config(pool: Any, model: str, n: int, batch: int, args: Any) -> dict:
+    from shardwise.cli.train_auto import CHECKS
+    from shardwise.costmodel.calibrate_ranks import Calibration
+    from shardwise.costmodel.layout_search import rank_correlation
+    from shardwise.train import layout_choice
+
+    calib = Calibration.from_dict(pool.run(calibrate_rank, model, args.budget_s, timeout_s=900)[0])
+    base = _run(model, n, 8, 1)
+    ranked = layout_choice.choose(base, calib.hardware, batch, {}, CHECKS).result.ranked
+    picks = ranked
+    if args.max_layouts and len(ranked) > args.max_layouts:
+        step = (len(ranked) - 1) / (args.max_layouts - 1)
+        picks = [ranked[round(i * step)] for i in range(args.max_layouts)]
+    runs = [layout_choice.run_config(base, r.layout).to_dict() for r in picks]
+    times: list[list[float]] = [[] for _ in picks]
+    for rnd in range(args.rounds):
+        for i, run in enumerate(runs):
+            key = f"{model}/{batch}/{picks[i].layout.describe()}"
+            warm = 1 if rnd == 0 else 0
+            times[i] += pool.run(time_rank, key, run, args.steps, warm, timeout_s=900)[0]
+    measured = [statistics.median(t) for t in times]
+    predicted = [r.prediction.step_s for r in picks]
+    fastest = min(measured)
+    rows = [{"layout": r.layout.describe(), "predicted_s": p, "measured_s": m,
+             "predicted_rank": ranked.index(r) + 1, "auto": i == 0}
+            for i, (r, p, m) in enumerate(zip(picks, predicted, measured))]  # fmt: skip
+    by_meas = sorted(range(len(rows)), key=lambda i: measured[i])
+    for pos, i in enumerate(by_meas, 1):
+        rows[i]["measured_rank"] = pos
+    rho = rank_correlation(predicted, measured) if len(rows) > 1 else None
+    return {"model": model, "ranks": n, "global_batch": batch, "fitting": len(ranked),
+            "calibration": calib.describe(), "rows": rows,
+            "auto_vs_fastest": measured[0] / fastest - 1, "spearman": rho}  # fmt: skip
+
+
+def _print(c: dict) -> None:
+    print(f"\n## {c['model']}, {c['ranks']} ranks, global batch {c['global_batch']}: "
+          f"{c['fitting']} layouts fit, {len(c['rows'])} run")  # fmt: skip
+    print(f"   {c['calibration']}")
+    print(f"{'':1} {'layout':<66} {'pred s':>8} {'pred#':>5} {'meas s':>8} {'meas#':>5}")
+    for r in sorted(c["rows"], key=lambda r: r["measured_s"]):
+        mark = "*" if r["auto"] else " "
+        print(f"{mark} {r['layout']:<66} {r['predicted_s']:>8.4f} {r['predicted_rank']:>5} "
+              f"{r['measured_s']:>8.4f} {r['measured_rank']:>5}")  # fmt: skip
+    rho = "n/a" if c["spearman"] is None else f"{c['spearman']:+.2f}"
+    print(
+        f"--auto's choice (*): {c['auto_vs_fastest']:+.1%} vs the fastest measured; Spearman {rho}"
+    )
+
+
+def main() -> int:
+    from shardwise.testing import RankPool
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="tiny,small")
+    p.add_argument("--batches", default="8,16")
+    p.add_argument("--ranks", default="2")
+    p.add_argument("--max-layouts", type=int, default=10)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--budget-s", type=float, default=20.0)
+    p.add_argument("--json")
+    args = p.parse_args()
+    print(f"# auto_plan @ {source_version()}: {os.cpu_count()} cores, {vars(args)}")
+    configs = []
+    for n in (int(r) for r in args.ranks.split(",")):
+        pool = RankPool(n, pg_timeout_s=900.0, start_timeout_s=300.0)
+        try:
+            for model in args.models.split(","):
+                for batch in (int(b) for b in args.batches.split(",")):
+                    configs.append(_config(pool, model, n, batch, args))
+                    _print(configs[-1])
+        finally:
+            pool.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"version": source_version(), "args": vars(args), "configs": configs}, f,
+                      indent=1)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(__file__))
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Which layouts ``shardwise train`` can run, and the best of them by the cost model.
+
+A cost-model ``Layout`` becomes the train command's settings (``train_settings``: the flags'
+names and values) and the engine config values no flag sets (``engine_values``); a candidate
+is kept only if the flags the user gave (pins) agree with it and the run it describes passes the
+launcher's own checks (layout, pipeline, memory) and ``Config``'s validation. ``choose`` ranks
+what is left on a measured ``Hardware``; ``shardwise train --auto`` calls it (and a fine-tuning
+command can, with its own ``RunConfig``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shardwise.comm.algorithms import ALGORITHMS
+from shardwise.costmodel.hardware import Hardware
+from shardwise.costmodel.layout_search import Layout, SearchResult, SearchSpace, search
+from shardwise.costmodel.shapes import ModelShape, gpt_shape
+from shardwise.models.gpt import GPTConfig
+from shardwise.pipeline.partition import partition_layers
+from shardwise.train.options import RunConfig
+
+SCHEDULE_NAMES = {"1f1b": "1f1b", "interleaved": "interleaved_1f1b", "gpipe": "gpipe",
+                  "zb-h1": "zb_h1"}  # fmt: skip
+"""Cost-model schedule -> the engine's ``pipeline_schedule``."""
+
+TRAIN_RECOMPUTE = ("none", "full")
+"""Recomputation the train command runs: none, or every block (--activation-checkpointing)."""
+
+PINNABLE = ("tp", "pp", "dp_replicate", "zero", "micro_batch", "grad_accum", "schedule",
+            "microbatches", "activation_checkpointing", "sequence_parallel")  # fmt: skip
+"""Train flags that pin a dimension of the search when given with ``--auto``."""
+
+
+def train_space(precision: str, offload: bool, keep: Callable[[Layout], bool]) -> SearchSpace:
+    """The dimensions the train command can run: every mesh, ZeRO stage, schedule (two virtual
+    stages when interleaved), micro-batch and accumulation, every all-reduce algorithm of the
+    comm layer; offload only where the device is not the host (``offload``)."""
+    algorithms = tuple(a for a in ALGORITHMS if a != "auto")  # auto picks among these itself
+    return SearchSpace(
+        recompute=TRAIN_RECOMPUTE,
+        allreduce_algorithms=algorithms,
+        offload=(False, True) if offload else (False,),
+        precision=precision,
+        keep=keep,
+    )
+
+
+def gpt_stage_layers(cfg: GPTConfig) -> Callable[[int, int], tuple[int, ...]]:
+    """(pp, virtual stages) -> the GPT's transformer blocks on each pp rank, as the train
+    command's ``PipelineModule`` splits ``GPT.pipeline_layers()`` (by parameters; stage ``s``
+    on rank ``s % pp``); ``ValueError`` when the layers cannot fill the stages."""
+    one, two = (dataclasses.replace(cfg, n_layer=n).param_count() for n in (1, 2))
+    block = two - one
+    d = cfg.d_model
+    counts = [cfg.vocab_size * d, cfg.seq_len * d, *[block] * cfg.n_layer, 2 * d,
+              cfg.vocab_size * d]  # fmt: skip
+    blocks = range(2, 2 + cfg.n_layer)
+
+    def split(pp: int, v: int) -> tuple[int, ...]:
+        bounds = partition_layers(counts, pp * v, "parameters")
+        per_rank = [0] * pp
+        for s, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+            per_rank[s % pp] += sum(lo <= i < hi for i in blocks)
+        return tuple(per_rank)
+
+    return split
+
+
+def train_settings(layout: Layout) -> dict[str, Any]:
+    """The train flags (``PINNABLE``) that run ``layout``: under a pipeline each step's
+    sequences go through one ``train_batch`` split into the plan's micro-batches."""
+    plan = layout.plan
+    out: dict[str, Any] = {
+        "tp": plan.tp,
+        "pp": plan.pp,
+        "dp_replicate": layout.dp_replicate,
+        "zero": plan.zero_stage,
+        "activation_checkpointing": plan.recompute == "full",
+        "sequence_parallel": plan.sequence_parallel,
+    }
+    if plan.pp > 1:
+        m = plan.micro_batches
+        out.update(micro_batch=plan.micro_batch * m, grad_accum=1, microbatches=m,
+                   schedule=SCHEDULE_NAMES[plan.schedule])  # fmt: skip
+    else:
+        out.update(micro_batch=plan.micro_batch, grad_accum=plan.micro_batches, microbatches=1,
+                   schedule="1f1b")  # fmt: skip
+    return out
+
+
+def engine_values(layout: Layout) -> dict[str, Any]:
+    """Engine config values of ``layout`` that no train flag sets."""
+    return {
+        "allreduce_algorithm": layout.allreduce_algorithm,
+        "offload_optimizer": layout.offload_optimizer,
+        "pipeline_virtual_stages": layout.plan.virtual_stages,
+    }
+
+
+def run_config(base: RunConfig, layout: Layout) -> RunConfig:
+    """``base`` (model, data, precision, world) with ``layout``'s parallelism and batch shape
+    (``ValueError`` if ``Config`` refuses the combination)."""
+    s = train_settings(layout)
+    engine = base.engine.replace(
+        zero_stage=s["zero"],
+        micro_batch_size=s["micro_batch"],
+        gradient_accumulation_steps=s["grad_accum"],
+        pipeline_schedule=s["schedule"],
+        pipeline_microbatches=s["microbatches"],
+        activation_checkpointing=["Block"] if s["activation_checkpointing"] else None,
+        **engine_values(layout),
+    )
+    train = dataclasses.replace(
+        base.train,
+        tp=s["tp"],
+        pp=s["pp"],
+        dp_replicate=s["dp_replicate"],
+        sequence_parallel=s["sequence_parallel"],
+    )
+    return RunConfig(train=train, engine=engine, world_size=base.world_size, launch=base.launch)
+
+
+def pinned(layout: Layout, pins: Mapping[str, Any]) -> bool:
+    """Whether ``layout`` agrees with every pinned flag."""
+    settings = train_settings(layout)
+    return all(settings[k] == v for k, v in pins.items())
+
+
+Check = Callable[[RunConfig], None]
+
+
+def keeper(
+    base: RunConfig, pins: Mapping[str, Any], checks: list[Check]
+) -> Callable[[Layout], bool]:
+    """The search's ``keep``: the pins agree, ``Config`` accepts the run and every check
+    (raising ``ValueError`` to refuse) passes."""
+    unknown = set(pins) - set(PINNABLE)
+    if unknown:
+        raise ValueError(f"cannot pin {sorted(unknown)}; pinnable: {', '.join(PINNABLE)}")
+
+    def keep(layout: Layout) -> bool:
+        if not pinned(layout, pins):
+            return False
+        try:
+            run = run_config(base, layout)
+            for check in checks:
+                check(run)
+        except ValueError:
+            return False
+        return True
+
+    return keep
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The search's outcome for a run: ``result`` ranked, on ``hardware``."""
+
+    shape: ModelShape
+    result: SearchResult
+    hardware: Hardware
+    global_batch: int
+
+
+def choose(
+    base: RunConfig,
+    hw: Hardware,
+    global_batch: int,
+    pins: Mapping[str, Any],
+    checks: list[Check],
+    host_bw_bytes_per_s: float = 0.0,
+) -> Choice:
+    """Every layout of ``base``'s model on its ranks for ``global_batch`` sequences per step,
+    ranked on ``hw`` (see the module docstring)."""
+    cfg = base.model
+    space = train_space(base.engine.precision, host_bw_bytes_per_s > 0, keeper(base, pins, checks))
+    space = dataclasses.replace(space, host_bw_bytes_per_s=host_bw_bytes_per_s)
+    shape = gpt_shape(base.train.model, cfg)
+    result = search(shape, base.world_size, hw, global_batch, space, gpt_stage_layers(cfg))
+    return Choice(shape, result, hw, global_batch)
