@@ -7,8 +7,8 @@ import dataclasses
 import math
 
 import pytest
-from shardwise.comm.schedules import LinkCost
 
+from shardwise.comm.allreduce_rounds import LinkCost
 from shardwise.config import Config
 from shardwise.costmodel import Plan, measured, predict
 from shardwise.costmodel.calibrate_ranks import Calibration

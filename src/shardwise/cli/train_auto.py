@@ -23,7 +23,7 @@ import torch
 from shardwise.bytesize import format_bytes
 from shardwise.cli import train_preflight as preflight
 from shardwise.cli.launch import launch
-from shardwise.comm.schedules import LinkCost
+from shardwise.comm.allreduce_rounds import LinkCost
 from shardwise.costmodel.calibrate_ranks import Calibration
 from shardwise.costmodel.hardware import measured
 from shardwise.costmodel.layout_search import (

@@ -9,27 +9,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import signal
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shardwise.cli import train_auto
+from shardwise.cli import train_auto, train_outcome
 from shardwise.cli import train_preflight as preflight
 from shardwise.cli.launch import DEFAULT_GRACE_S, add_launch_args, check_launch_args, launch
-from shardwise.cli.run_agent import STOPPED_CODES, LaunchResult
+from shardwise.cli.run_agent import STOPPED_CODES
 from shardwise.config import COUNT_MAX, PIPELINE_SCHEDULES, PRECISIONS, Config
 from shardwise.train.lock import RunDirLock
 from shardwise.train.metrics import read_metrics
 from shardwise.train.options import DEFAULT_STEPS, RunConfig, TrainOptions
-from shardwise.train.progress import format_duration, format_rate
 from shardwise.train.rundir import CHECKPOINTS_NAME, RunDir, latest_run_dir, new_run_dir
-from shardwise.train.summary import read_summary
-
-EXIT_KILLED = 128 + 9
-"""Exit code when a stop signal's grace period ran out and the ranks were killed."""
 
 DEFAULT_NPROC = 2
 DEFAULT_MICRO_BATCH = 8
@@ -280,16 +273,6 @@ def _resumed_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir]:
     ), run_dir
 
 
-def _newest_checkpoint(run_dir: RunDir) -> int | None:
-    from shardwise.checkpoint.journal import Journal
-
-    journal = Journal(run_dir.checkpoints)
-    if not journal.exists():
-        return None
-    live = journal.read().live_steps()
-    return live[-1] if live else None
-
-
 def _slowest_step_s(run_dir: RunDir) -> float:
     if not run_dir.metrics.is_file():
         return 0.0
@@ -305,48 +288,6 @@ def _grace(args: argparse.Namespace, run_dir: RunDir) -> Callable[[], float]:
         return DEFAULT_GRACE_S + 2 * _slowest_step_s(run_dir)
 
     return grace_s
-
-
-def _report(run_dir: RunDir, code: int, started: float) -> None:
-    """The last lines on the terminal: how the run went and where to look."""
-    summary = read_summary(run_dir.summary)
-    if summary is None or run_dir.summary.stat().st_mtime < started:
-        print(f"shardwise train: the run wrote no summary (exit code {code})")
-        print(f"run directory: {run_dir.root}")
-        return
-    val, base = summary.get("final_val_loss"), summary["unigram_baseline"]
-    val_text = "n/a" if val is None else f"{val:.3f}"
-    rate = summary.get("tokens_per_s")
-    print(
-        f"{summary['status']} at step {summary['steps']}: validation loss {val_text} nats "
-        f"(unigram baseline {base:.3f}), {format_rate(rate) if rate else 'n/a'} at "
-        f"{summary['world_size']} ranks, wall time {format_duration(summary['wall_time_s'])}"
-    )
-    print(f"run directory: {run_dir.root}")
-    print(
-        f"plots: shardwise report {run_dir.root}    sample: shardwise generate "
-        f"{run_dir.root} --prompt 'def '"
-    )
-
-
-def _stop_message(run_dir: RunDir, result: LaunchResult, before: int | None) -> int:
-    """Say whether stopping wrote a checkpoint; returns the exit code (128 + the signal when
-    it did, 137 when the ranks had to be killed)."""
-    after = _newest_checkpoint(run_dir)
-    name = (result.stop_signal or signal.Signals(result.code - 128)).name
-    if result.killed:
-        kept = "the run has none" if after is None else f"the newest is step {after}"
-        print(
-            f"shardwise train: stopped by {name}; the ranks did not finish within the grace "
-            f"period and were killed: no checkpoint was written ({kept}); "
-            "raise --grace-period-s to let them save",
-            file=sys.stderr,
-        )
-        return EXIT_KILLED
-    written = after is not None and after != before
-    what = f"checkpoint of step {after} written" if written else "no new checkpoint written"
-    print(f"shardwise train: stopped by {name}: {what}", file=sys.stderr)
-    return result.code
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -381,7 +322,7 @@ def run_train(args: argparse.Namespace) -> int:
         if args.nproc_per_node > 1:
             os.environ.setdefault("OMP_NUM_THREADS", "1")
         target = ["-m", "shardwise.train.worker", str(run_dir.root)]
-        before, started = _newest_checkpoint(run_dir), time.time()
+        before, started = train_outcome.newest_checkpoint(run_dir), time.time()
         result = launch(
             args,
             target + (["--resume"] if args.resume else []),
@@ -391,10 +332,10 @@ def run_train(args: argparse.Namespace) -> int:
     finally:
         if lock is not None:
             lock.release()
-    _report(run_dir, result.code, started)
+    train_outcome.report(run_dir, result.code, started)
     code = result.code
     if result.stop_signal is not None or code in STOPPED_CODES:
-        code = _stop_message(run_dir, result, before)
+        code = train_outcome.stop_message(run_dir, result, before)
     if code != 0:
         print(f"continue with: shardwise train --run-dir {run_dir.root} --resume")
     return code

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from shardwise.comm import Group, current_world, ops
-from shardwise.comm.schedules import LinkCost
+from shardwise.comm.allreduce_rounds import LinkCost
 from shardwise.costmodel import calibrate
 from shardwise.costmodel.hardware import Hardware, measure_memory_bandwidth, measured
 from shardwise.costmodel.plan import Plan

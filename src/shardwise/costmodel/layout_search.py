@@ -9,7 +9,7 @@ all-reduce algorithm, offload) and ``predict_layout`` prices them on top of ``pr
   which reduces as a plan of that dp would; the replicas then all-reduce the shard (1/dp_shard
   of the gradients) over r ranks;
 - an all-reduce algorithm other than the backend's (ZeRO-0): the gradient all-reduce is priced
-  by ``comm.schedules.predict_seconds`` over the point-to-point links instead of the fitted
+  by ``comm.allreduce_rounds.predict_seconds`` over the point-to-point links instead of the fitted
   ring step;
 - optimizer offload: the fp32 master weights and moments leave the device (memory), the
   optimizer streams them through host memory and the gradients and weights cross the host link.
@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardwise.comm.schedules import GroupLinks, predict_seconds
+from shardwise.comm.allreduce_rounds import GroupLinks, predict_seconds
 from shardwise.costmodel.hardware import Hardware
 from shardwise.costmodel.memory import MASTER_AND_ADAM_BYTES
 from shardwise.costmodel.plan import PRECISIONS, SCHEDULES, Plan

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import shardwise
-from shardwise import comm
+from shardwise.comm import mpi_split
 from shardwise.costmodel.calibrate_ranks import ComputeProbe, calibrate_ranks
 from shardwise.costmodel.shapes import gpt_shape
 from shardwise.train.options import RunConfig
@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     run = RunConfig.read(args.run_config)
     world = shardwise.init()
-    alone = comm.split(world.rank, 0)  # each rank its own one-rank group: no communication
+    alone = mpi_split.split(world.rank, 0, group=world.group)  # each rank alone
     trial = Trial(run, world, group=alone)
     b = run.micro_batch  # the same sequences as b micro-batches of one: their overhead
     split_run = RunConfig(train=run.train, world_size=run.world_size, launch=run.launch,

@@ -21,7 +21,7 @@ from shardwise.costmodel.hardware import Hardware
 from shardwise.costmodel.layout_search import Layout, SearchResult, SearchSpace, search
 from shardwise.costmodel.shapes import ModelShape, gpt_shape
 from shardwise.models.gpt import GPTConfig
-from shardwise.pipeline.partition import partition_layers
+from shardwise.parallel.pipeline.partition import partition_layers
 from shardwise.train.options import RunConfig
 
 SCHEDULE_NAMES = {"1f1b": "1f1b", "interleaved": "interleaved_1f1b", "gpipe": "gpipe",
@@ -52,7 +52,7 @@ def train_space(precision: str, offload: bool, keep: Callable[[Layout], bool]) -
 
 def gpt_stage_layers(cfg: GPTConfig) -> Callable[[int, int], tuple[int, ...]]:
     """(pp, virtual stages) -> the GPT's transformer blocks on each pp rank, as the train
-    command's ``PipelineModule`` splits ``GPT.pipeline_layers()`` (by parameters; stage ``s``
+    command's ``PipelineModule`` splits ``plans.gpt.pipeline_layers()`` (by parameters; stage ``s``
     on rank ``s % pp``); ``ValueError`` when the layers cannot fill the stages."""
     one, two = (dataclasses.replace(cfg, n_layer=n).param_count() for n in (1, 2))
     block = two - one
