@@ -131,7 +131,7 @@ def test_export_equals_state_dict_loads_strictly_and_starts_an_engine(tmp_path):
     root = tmp_path / "c"
     state = run_on_ranks(2, cc.export_source, str(root))[0]
     out = tmp_path / "model.safetensors"
-    names = export_consolidated(root, out)
+    names, _ = export_consolidated(root, out)
     exported = load_file(str(out))
     assert sorted(names) == sorted(state) == sorted(exported)
     assert "head.weight" in exported  # the tied alias of tok_emb.weight

@@ -75,8 +75,10 @@ def test_every_schedule_matches_one_process(p: int) -> None:
         assert len(holders) >= 2 and all(torch.equal(h, holders[0]) for h in holders)
         if schedule == "1f1b":
             grads_by_m[m] = {k: g for out in per_rank for k, g in out["grads"].items()}
-    for k, g in grads_by_m[8].items():  # micro-batch count does not change the gradients
-        torch.testing.assert_close(grads_by_m[1][k], g, rtol=1e-6, atol=1e-7)
+    # micro-batch count does not change the gradients beyond the order of fp32 sums (m
+    # micro-batch sums against one whole-batch sum; 1.6e-7 seen on an AVX2-only CPU)
+    for k, g in grads_by_m[8].items():
+        torch.testing.assert_close(grads_by_m[1][k], g, rtol=1e-6, atol=1e-6)
     assert set(grads_by_m[8]) == set(want)
 
 
@@ -106,7 +108,9 @@ def test_training_keeps_tied_copies_equal_and_accumulation_exact() -> None:
     for r in range(2):
         assert plain[r]["losses"] == pytest.approx(ref_losses, rel=1e-5)
         for k, v in plain[r]["params"].items():
-            torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-6, msg=k)
+            # 20 AdamW steps amplify the order of fp32 sums (4 micro-batches against one batch)
+            # in elements whose gradient is near zero: up to 4.6e-6 seen on an AVX2-only CPU
+            torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-5, msg=k)
             torch.testing.assert_close(accum[r]["params"][k], v, rtol=1e-6, atol=1e-6, msg=k)
     assert "tied.embed.weight" in plain[0]["saved"]
     assert "tied.embed.weight" not in plain[1]["saved"]

@@ -39,7 +39,7 @@ from shardwise.engine.checkpoint import EngineCheckpoints
 from shardwise.engine.memory import memory_report
 from shardwise.engine.placements import EnginePlacements, ExtraStyles
 from shardwise.mesh import AXIS_ORDER, Axis, Mesh
-from shardwise.parallel.placement import Placement
+from shardwise.parallel.placement import Placement, StageOwned
 from shardwise.precision import DynamicLossScaler, resolve_precision
 from shardwise.topology import discover
 from shardwise.zero import optimizer as zero_opt
@@ -125,9 +125,11 @@ class Engine:
     # ---- construction ----
 
     def _extra_styles(self, model: nn.Module) -> ExtraStyles | None:
-        """Styles the engine adds to the plan's placements (none here; a pipeline engine adds
-        each parameter's stage)."""
-        return None
+        """Styles the engine adds to the plan's placements: on a mesh with a pp axis, each
+        rank's model is its own pipeline stage (a pipeline engine adds the tied copies)."""
+        if self.mesh is None or self.mesh.pp_size == 1:
+            return None
+        return lambda name, p: {Axis.PP: StageOwned()}
 
     def _overflow_group(self) -> Group | None:
         """The group that agrees on fp16 overflow beyond the norm's reduction (none here: the
