@@ -28,6 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 CRASH_POINTS = ("before_files", "mid_file", "after_files", "during_rename")
+
+RESTART_COUNT_ENV = "SHARDWISE_RESTART_COUNT"
+"""Set by the launcher in every rank's environment: 0 on the first attempt, k on the k-th
+restart (and ``TORCHELASTIC_RESTART_COUNT`` alike, for scripts written for torchrun)."""
 """Where ``SHARDWISE_CKPT_CRASH_AT`` may kill a save."""
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")

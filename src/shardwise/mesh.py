@@ -166,7 +166,10 @@ class Mesh:
             ``dp_replicate`` groups (``group("dp_replicate")``); ``dp = dp_replicate *
             dp_shard``. Give both (dp may then be left out), or one to split a given dp.
             Default: flat, ``dp_shard = dp``.
-        world: the world it spans (default: the current world, ``shardwise.init()``).
+        world: the ranks it spans: a World, a Group of one (a sub-world: mesh rank i is the
+            group's rank i; every rank of the world still constructs the mesh, since torch
+            forms groups with all ranks, and a rank outside the group holds no groups), or
+            the current world (default, ``shardwise.init()``).
         world_size: only check the sizes against this many ranks, forming no groups (a mesh
             that cannot communicate; for planning).
     """
@@ -180,25 +183,33 @@ class Mesh:
         cp: int = 1,
         dp_replicate: int | None = None,
         dp_shard: int | None = None,
-        world: World | None = None,
+        world: World | Group | None = None,
         world_size: int | None = None,
     ) -> None:
         if world is None and world_size is None:
-            world = current()
-        n = world.world_size if world is not None else world_size
+            world = current()  # the public entry point: None is the current world, once
+        members = None  # the world ranks of mesh ranks 0..n-1 (None: no groups)
+        if isinstance(world, Group):
+            members, world = world.ranks, world.world
+        elif world is not None:
+            members = tuple(range(world.world_size))
+        n = len(members) if members is not None else world_size
         assert n is not None
-        if world is not None and world.world_size != n:
-            raise ValueError(f"world_size={n} does not match the world's {world.world_size} ranks")
+        if members is not None and len(members) != n:
+            raise ValueError(f"world_size={n} does not match the world's {len(members)} ranks")
         self.axis_sizes = resolve_sizes(
             n, pp=pp, dp=dp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp
         )
         self.world_size = n
-        if world is None:  # a plan's mesh: sizes only
+        if world is None or members is None:  # a plan's mesh: sizes only
             return
         self.world = world
+        self.members = members
         self.stats = CommStats(parent=world.stats)
-        self.coords = self.coords_of(world.rank)
         self._groups: dict[tuple[Axis, ...], Group] = {}
+        self.is_member = world.rank in members
+        if self.is_member:
+            self.coords = self.coords_of(members.index(world.rank))
         self._form_groups()
 
     # ---- sizes and coordinates -----------------------------------------------------------
@@ -295,10 +306,12 @@ class Mesh:
     def _form_groups(self) -> None:
         big = [a for a in AXIS_ORDER if self.axis_sizes[a] > 1]
         me = self.world.rank
-        self._groups[()] = self.world.new_group([me], name="self", stats=self.stats)
+        if self.is_member:
+            self._groups[()] = self.world.new_group([me], name="self", stats=self.stats)
         for k in range(1, len(big) + 1):
             for axes in itertools.combinations(big, k):
                 for ranks in self._partition(axes):
+                    ranks = tuple(self.members[r] for r in ranks)  # mesh ranks -> world ranks
                     g = self.world.new_group(ranks, name="+".join(axes), stats=self.stats)
                     if me in ranks:
                         self._groups[axes] = g
@@ -308,6 +321,8 @@ class Mesh:
         ``mesh.group(Axis.DP_SHARD)``), in rank order."""
         if not axes:
             raise ValueError(f"name at least one mesh axis; allowed: {ALL_NAMES}")
+        if not self.is_member:
+            raise ValueError(f"rank {self.world.rank} is outside this mesh (ranks {self.members})")
         own = expand(axes)
         return self._groups[tuple(a for a in own if self.axis_sizes[a] > 1)]
 

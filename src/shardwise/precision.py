@@ -21,8 +21,6 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from shardwise import dist as sw_dist
-
 __all__ = [
     "PRECISIONS",
     "DynamicLossScaler",
@@ -39,10 +37,6 @@ PRECISIONS: tuple[str, ...] = get_args(Precision)
 _DTYPES: dict[str, torch.dtype] = dict(
     zip(PRECISIONS, (torch.float32, torch.bfloat16, torch.float16), strict=True)
 )
-
-
-def _rank_prefix() -> str:
-    return f"rank {sw_dist.rank()}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,10 +227,10 @@ class DynamicLossScaler:
         self._clean_steps = 0
         if self._scale <= self.min_scale:
             self._skips_at_floor += 1
+            # no rank here: the scaler knows no group; the engine's skip warning names it
             log.warning(
-                "%s: gradients overflowed with the loss scale at min_scale=%g (%d steps in a "
+                "gradients overflowed with the loss scale at min_scale=%g (%d steps in a "
                 "row skipped); the loss or gradients are non-finite regardless of scaling",
-                _rank_prefix(),
                 self.min_scale,
                 self._skips_at_floor,
             )

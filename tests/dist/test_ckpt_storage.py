@@ -98,7 +98,7 @@ def _rank_state() -> dict[str, object]:
 
 
 def rank_save(root: str, step: int) -> str:
-    path = save_checkpoint(root, step, _rank_entries(step), _trainer_state(step), _rank_state())
+    path = save_checkpoint(root, step, _rank_entries(step), _trainer_state(step), _rank_state(), group=comm.world())
     return str(path)
 
 
@@ -110,7 +110,7 @@ def rank_save_crashing(root: str, step: int, point: str, crash_rank: int) -> str
 
 
 def rank_save_async(root: str, step: int) -> tuple[str, float, bool]:
-    writer = AsyncCheckpointWriter(root, timeout_s=30)
+    writer = AsyncCheckpointWriter(root, timeout_s=30, group=comm.world())
     entries = _rank_entries(step)
     writer.save(step, entries, _trainer_state(step), _rank_state())
     for e in entries:  # the writer holds a snapshot: the engine may update in place

@@ -6,7 +6,7 @@ import pytest
 import tp_cases as tc
 
 from shardwise.testing import run_on_ranks
-from shardwise.parallel.tensor.estimate import gpt_params_per_rank
+from shardwise.costmodel.tp_memory import gpt_params_per_rank
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

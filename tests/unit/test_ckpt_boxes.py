@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import shardwise
+from shardwise import comm
 from shardwise.checkpoint import (
     CheckpointReader,
     ShardEntry,
@@ -77,7 +78,7 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("saved", sorted(LAYOUTS))
 def test_any_layout_reads_back_in_any_other(tmp_path: Path, saved: str) -> None:
-    save_checkpoint(tmp_path, 1, LAYOUTS[saved](), {}, None)
+    save_checkpoint(tmp_path, 1, LAYOUTS[saved](), {}, None, group=comm.world())
     with CheckpointReader(tmp_path) as reader:
         assert reader.global_shape("w") == tuple(FULL.shape)
         assert torch.equal(reader.read_full("w"), FULL)
@@ -95,6 +96,6 @@ def test_overlapping_and_missing_boxes_are_refused(tmp_path: Path) -> None:
     rows = _split(0, 3)
     shifted = ShardEntry("w", tuple(FULL.shape), (1, 0, 0), rows[0].tensor)  # rows 1-2 twice
     with pytest.raises(ValueError, match="overlap"):
-        save_checkpoint(tmp_path, 1, [*rows, shifted], {}, None)
+        save_checkpoint(tmp_path, 1, [*rows, shifted], {}, None, group=comm.world())
     with pytest.raises(ValueError, match=r"elements \[80, 160\) are held by no rank"):
-        save_checkpoint(tmp_path, 1, [rows[0], rows[2]], {}, None)
+        save_checkpoint(tmp_path, 1, [rows[0], rows[2]], {}, None, group=comm.world())

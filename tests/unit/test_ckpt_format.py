@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import shardwise
+from shardwise import comm
 from shardwise.checkpoint import (
     AsyncCheckpointWriter,
     CheckpointError,
@@ -67,7 +68,9 @@ def _entries(full: dict[str, torch.Tensor], cuts: int = 3) -> list[ShardEntry]:
 def _save(root: Path, step: int, seed: int | None = None, keep_last: int | None = None) -> Path:
     full = _state(step if seed is None else seed)
     state = {"global_step": step, "lr": 0.1}
-    return save_checkpoint(root, step, _entries(full), state, {"rng": step}, keep_last=keep_last)
+    return save_checkpoint(
+        root, step, _entries(full), state, {"rng": step}, keep_last=keep_last, group=comm.world()
+    )
 
 
 def _flip_byte(path: Path, offset: int) -> None:
@@ -149,7 +152,7 @@ def test_coverage_errors(tmp_path: Path, case: str, match: str) -> None:
         "outside": [ShardEntry("w", (6,), (4,), t[:4])],
     }[case]
     with pytest.raises(ValueError, match=match):
-        save_checkpoint(tmp_path, 2, entries, {}, None)
+        save_checkpoint(tmp_path, 2, entries, {}, None, group=comm.world())
     assert resolve(tmp_path) == tmp_path / step_dir_name(1)
     assert not (tmp_path / tmp_dir_name(2)).exists()
     assert not (tmp_path / step_dir_name(2)).exists()
@@ -293,9 +296,9 @@ def test_interrupted_save_leftovers(tmp_path: Path) -> None:
 def test_bad_trainer_state_and_rank_state(tmp_path: Path) -> None:
     entries = [ShardEntry("w", (2,), (0,), torch.ones(2))]
     with pytest.raises(ValueError, match="JSON-serializable"):
-        save_checkpoint(tmp_path, 1, entries, {"x": object()}, None)
+        save_checkpoint(tmp_path, 1, entries, {"x": object()}, None, group=comm.world())
     with pytest.raises(TypeError, match="nothing is pickled"):
-        save_checkpoint(tmp_path, 1, entries, {}, lambda: 0)
+        save_checkpoint(tmp_path, 1, entries, {}, lambda: 0, group=comm.world())
     assert find_latest_valid(tmp_path) == (None, [])
 
 
@@ -311,7 +314,7 @@ def test_export_round_trip(tmp_path: Path) -> None:
     src = _Tiny()
     full = {f"model/{k}": v.detach().to(torch.bfloat16) for k, v in src.state_dict().items()}
     full["optim/proj.bias/exp_avg"] = torch.zeros(6)
-    save_checkpoint(tmp_path / "ck", 1, _entries(full), {}, None)
+    save_checkpoint(tmp_path / "ck", 1, _entries(full), {}, None, group=comm.world())
     names, naming = export_consolidated(tmp_path / "ck", tmp_path / "model.safetensors")
     assert names == ["embed.weight", "proj.bias", "proj.weight"] and "plain" in naming
     loaded = load_file(tmp_path / "model.safetensors")
@@ -338,7 +341,7 @@ def test_inspect_summary(tmp_path: Path) -> None:
 def test_async_writer_single_rank(tmp_path: Path) -> None:
     full = _state(8)
     entries = _entries(full)
-    with AsyncCheckpointWriter(tmp_path, keep_last=1, timeout_s=30) as writer:
+    with AsyncCheckpointWriter(tmp_path, keep_last=1, timeout_s=30, group=comm.world()) as writer:
         writer.save(8, entries, {"global_step": 8}, {"rng": 8})
         for e in entries:  # the writer snapshotted: later changes do not leak in
             e.tensor.zero_()
@@ -347,7 +350,7 @@ def test_async_writer_single_rank(tmp_path: Path) -> None:
     assert Journal(tmp_path).read().live_steps() == [9]
     with CheckpointReader(tmp_path / step_dir_name(9)) as reader:
         assert torch.equal(reader.read_full("model/embed.weight"), _state(9)["model/embed.weight"])
-    writer = AsyncCheckpointWriter(tmp_path, timeout_s=30)
+    writer = AsyncCheckpointWriter(tmp_path, timeout_s=30, group=comm.world())
     writer.save(9, entries, {}, None)
     with pytest.raises(ValueError, match="already committed"):
         writer.wait()
@@ -358,7 +361,7 @@ def test_empty_tensor_and_numel(tmp_path: Path) -> None:
         ShardEntry("model/empty", (0, 3), (0, 0), torch.empty(0, 3)),
         ShardEntry("model/w", (2, 2), (0, 0), torch.arange(4.0).reshape(2, 2)),
     ]
-    save_checkpoint(tmp_path, 1, entries, {}, None)
+    save_checkpoint(tmp_path, 1, entries, {}, None, group=comm.world())
     with CheckpointReader(tmp_path) as reader:
         assert reader.read_full("model/empty").shape == (0, 3)
         assert math.prod(reader.full_shape("model/w")) == 4
@@ -377,7 +380,7 @@ def test_views_and_dtypes(tmp_path: Path) -> None:
     entries.append(ShardEntry("b", (20,), (0,), full["b"].reshape(4, 5).t().reshape(-1)[:0]))
     entries.append(ShardEntry("b", (20,), (0,), full["b"]))
     entries += [ShardEntry(n, (t.numel(),), (0,), t) for n, t in full.items() if n in "cde"]
-    save_checkpoint(tmp_path, 1, entries, {}, None)
+    save_checkpoint(tmp_path, 1, entries, {}, None, group=comm.world())
     with CheckpointReader(tmp_path) as reader:
         for name, t in full.items():
             got = reader.read_full(name)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import shardwise
+from shardwise import comm
 from shardwise.checkpoint import (
     CheckpointError,
     CheckpointReader,
@@ -76,7 +77,9 @@ def _reseal(step_dir: Path, edit: object = None) -> None:
 
 def _save(root: Path, step: int) -> Path:
     t = torch.arange(12.0).reshape(3, 4) + step
-    return save_checkpoint(root, step, [ShardEntry("model/w", (3, 4), (0, 0), t)], {}, {"s": step})
+    return save_checkpoint(
+        root, step, [ShardEntry("model/w", (3, 4), (0, 0), t)], {}, {"s": step}, group=comm.world()
+    )
 
 
 def _engine(**config: object) -> shardwise.Engine:

@@ -14,6 +14,8 @@ from torch.utils.checkpoint import checkpoint
 from shardwise.cli import estimate_cmd
 from shardwise.cli.estimate_cmd import run_estimate
 from shardwise.cli.main import main as cli_main
+from shardwise.costmodel import pipeline_memory as ppe
+from shardwise.costmodel import tp_memory as tpe
 from shardwise.estimate import (
     StageEstimate,
     estimate_activations,
@@ -23,9 +25,7 @@ from shardwise.estimate import (
     parse_bytes,
 )
 from shardwise.models import GPT, GPTConfig
-from shardwise.parallel.pipeline import estimate as ppe
 from shardwise.parallel.pipeline.simulate import simulate
-from shardwise.parallel.tensor import estimate as tpe
 
 # (params, grads, optimizer) bytes per element and which of them a stage shards.
 _PER_ELEMENT = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from shardwise import comm
 from shardwise.hf import WeightsError, open_weights
 from shardwise.hf.model_dir import SAFE_WEIGHTS_INDEX_NAME
 
@@ -222,7 +223,7 @@ def test_a_shardwise_checkpoint_reads_like_a_hugging_face_directory(llama, tmp_p
                 )
     shardwise.init(backend="gloo")
     try:
-        save_checkpoint(tmp_path, 1, entries, {}, None)
+        save_checkpoint(tmp_path, 1, entries, {}, None, group=comm.world())
     finally:
         shardwise.shutdown()
     with CheckpointWeights(tmp_path) as source:

@@ -4,6 +4,7 @@ inside a function (a lazy import) or under ``if TYPE_CHECKING``."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 import shardwise
@@ -122,3 +123,74 @@ def test_no_import_cycle() -> None:
 
 def test_dist_is_a_leaf() -> None:
     assert import_graph()["shardwise.dist"] == set()
+
+
+APP = ("cli", "train")
+"""The app: the commands and the train loop. The library never imports them."""
+
+ALLOWED_PACKAGE_CYCLES = [
+    # ``PipelineEngine`` (parallel/pipeline/engine.py) extends ``engine.core.Engine``, and
+    # ``shardwise.initialize`` (engine/initialize.py) builds it for a ``PipelineModule`` while
+    # the engine reads each parameter's ``parallel.placement``. Modules stay acyclic; the
+    # package cycle closes through the facade that picks an engine.
+    ["engine", "parallel"],
+]
+
+
+def _package(module: str) -> str:
+    """The top-level subpackage of ``module`` (a module at the root is its own node)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ROOT
+
+
+def _parallel_child(module: str) -> str | None:
+    """``parallel.X`` for a module inside the subpackage ``parallel/X/``, else None."""
+    parts = module.split(".")
+    if len(parts) > 3 and parts[1] == "parallel":
+        return f"parallel.{parts[2]}"
+    is_pkg = _modules().get(module, Path()).name == "__init__.py"
+    return f"parallel.{parts[2]}" if len(parts) == 3 and parts[1] == "parallel" and is_pkg else None
+
+
+def package_graph(node_of: Callable[[str], str | None]) -> dict[str, set[str]]:
+    """The module graph collapsed onto ``node_of``'s nodes (modules mapped to None left out)."""
+    out: dict[str, set[str]] = {}
+    for mod, targets in import_graph().items():
+        a = node_of(mod)
+        if a is None:
+            continue
+        out.setdefault(a, set())
+        for t in targets:
+            b = node_of(t)
+            if b is not None and b != a:
+                out[a].add(b)
+                out.setdefault(b, set())
+    return out
+
+
+def test_the_library_never_imports_the_app() -> None:
+    offenders = sorted(
+        f"{m} -> {t}"
+        for m, targets in import_graph().items()
+        if _package(m) not in APP
+        for t in targets
+        if _package(t) in APP
+    )
+    assert not offenders, f"library modules import the app ({'/'.join(APP)}): {offenders}"
+
+
+def test_no_package_cycle_between_top_level_packages() -> None:
+    graph = package_graph(_package)
+    found = cycles(graph)
+    assert found == ALLOWED_PACKAGE_CYCLES, "package cycles:\n" + "\n".join(
+        " -> ".join(_path_in(graph, scc)) for scc in found
+    )
+
+
+def test_no_package_cycle_between_parallel_subpackages() -> None:
+    graph = package_graph(_parallel_child)
+    assert {"parallel.pipeline", "parallel.tensor", "parallel.plans"} <= set(graph)
+    found = cycles(graph)
+    assert not found, "cycles between parallel's subpackages:\n" + "\n".join(
+        " -> ".join(_path_in(graph, scc)) for scc in found
+    )

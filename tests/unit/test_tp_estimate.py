@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from shardwise.costmodel import tp_memory as tpe
 from shardwise.mesh import Axis
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.parallel.placement import AxisPlace, Placement, Shard
-from shardwise.parallel.tensor import estimate as tpe
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

@@ -14,12 +14,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from shardwise import comm, environment
 from shardwise import dist as sw_dist
+from shardwise import environment
 from shardwise.checkpoint.entries import ShardEntry, prepare_entries
 from shardwise.checkpoint.rank_state import encode_rank_state
 from shardwise.checkpoint.writer import check_trainer_state, save_snapshot
-from shardwise.comm import GroupLike
+from shardwise.comm import Group
 
 log = logging.getLogger("shardwise.checkpoint")
 
@@ -42,8 +42,7 @@ class AsyncCheckpointWriter:
         timeout_s: how long a rank's background thread waits for the others (the slowest
             rank's write must fit in it). Default 1800 s.
         verify_writes: read each written file back and check its sha256 before the commit.
-        group: the ranks that save together (``None``: the world); file names use their
-            group ranks.
+        group: the ranks that save together; file names use their group ranks.
 
     Construction is collective: it forms the writer's own process group over the ranks of
     ``group`` (``World.new_group``), so each of them must construct it at the same point.
@@ -55,7 +54,8 @@ class AsyncCheckpointWriter:
         keep_last: int | None = None,
         timeout_s: float | None = None,
         verify_writes: bool = True,
-        group: GroupLike = None,
+        *,
+        group: Group,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (or None to keep all), got {keep_last}")
@@ -65,7 +65,7 @@ class AsyncCheckpointWriter:
         self.root = Path(root)
         self.keep_last = keep_last
         self.verify_writes = verify_writes
-        base = comm.resolve(group)
+        base = group
         self.group = base.world.new_group(list(base.ranks), timeout_s=timeout, dedicated=True)
         self._rank = self.group.ranks[self.group.rank]
         self.last_committed: Path | None = None

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardwise import comm
 from shardwise.checkpoint.entries import ShardEntry, prepare_entries
 from shardwise.checkpoint.faults import crash_point, maybe_crash, maybe_stall
 from shardwise.checkpoint.files import (
@@ -56,7 +55,7 @@ from shardwise.checkpoint.layout import (
 from shardwise.checkpoint.manifest import FileRecord, PieceMeta, RankMeta, build_manifest
 from shardwise.checkpoint.rank_state import encode_rank_state
 from shardwise.checkpoint.retention import apply_retention, clean_leftovers
-from shardwise.comm import GroupLike, objects
+from shardwise.comm import Group, objects
 
 log = logging.getLogger("shardwise.checkpoint")
 
@@ -214,7 +213,7 @@ def save_snapshot(
     rank_state_blob: bytes,
     *,
     keep_last: int | None = None,
-    group: GroupLike = None,
+    group: Group,
     verify_writes: bool = True,
     local_error: Exception | None = None,
 ) -> Path:
@@ -223,7 +222,7 @@ def save_snapshot(
     ``local_error`` is an error this rank hit while preparing: it is raised on every rank
     without deadlocking the others. See :func:`save_checkpoint` for the rest.
     """
-    g = comm.resolve(group)
+    g = group
     if not g.is_member:
         raise ValueError(f"this rank is not a member of {g}; call save on the group's ranks")
     root, me = Path(root), g.rank
@@ -265,7 +264,8 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     rank_state: Any,
     keep_last: int | None = None,
-    group: GroupLike = None,
+    *,
+    group: Group,
     verify_writes: bool = True,
 ) -> Path:
     """Save a sharded checkpoint of step ``step`` under ``root``; call it on every rank.
@@ -281,7 +281,7 @@ def save_checkpoint(
             numpy arrays (see ``rank_state.py``), stored as ``rank-{rank:05d}.safetensors``
             with its sha256 in the manifest. Nothing is pickled.
         keep_last: after committing, delete all but the newest ``keep_last`` checkpoints.
-        group: the ranks that save together (default: the world); file names use group ranks.
+        group: the ranks that save together; file names use group ranks.
         verify_writes: read every written file back and check its sha256 before committing.
 
     Returns:

@@ -10,6 +10,8 @@ import argparse
 import math
 import re
 
+from shardwise.costmodel import pipeline_memory as pp_estimate
+from shardwise.costmodel import tp_memory as tp_estimate
 from shardwise.estimate import (
     PRECISIONS,
     estimate_activations,
@@ -20,9 +22,7 @@ from shardwise.estimate import (
 )
 from shardwise.models.gpt import MODEL_SIZES, GPTConfig
 from shardwise.parallel.layout import ESTIMATE_FLAGS, Layout, check_layout, gpt_dims
-from shardwise.parallel.pipeline import estimate as pp_estimate
 from shardwise.parallel.pipeline.schedule import SCHEDULES
-from shardwise.parallel.tensor import estimate as tp_estimate
 
 MAX_PARAMS = 10**15
 """Largest --params accepted (a thousand times the largest models trained)."""

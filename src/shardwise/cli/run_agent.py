@@ -29,10 +29,7 @@ from types import FrameType
 
 from shardwise.cli.run_rank import LAUNCHER_PID_ENV
 from shardwise.cli.run_rendezvous import Rendezvous, free_port
-
-RESTART_COUNT_ENV = "SHARDWISE_RESTART_COUNT"
-"""Set in every rank's environment: 0 on the first attempt, k on the k-th restart (and
-``TORCHELASTIC_RESTART_COUNT`` alike, for scripts written for torchrun)."""
+from shardwise.environment import RESTART_COUNT_ENV
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STOPPED_CODES = frozenset(128 + int(s) for s in STOP_SIGNALS)

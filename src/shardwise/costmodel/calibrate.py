@@ -15,7 +15,7 @@ from functools import partial
 
 import torch
 
-from shardwise.comm import Group, current_world, ops
+from shardwise.comm import Group, ops
 from shardwise.comm.allreduce_rounds import GroupLinks, LinkCost, predict_seconds
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
@@ -126,7 +126,7 @@ def sample_collectives(
         raise ValueError(f"sizes must be distinct byte counts > 0, got {list(sizes)}")
     for op in ops:
         ring_steps(op, 2)  # refuses an unknown op
-    n, dev = group.size, current_world.device()
+    n, dev = group.size, group.world.device
     buffers = {}
     for nbytes in sizes:
         numel = timed_bytes(nbytes, n) // 4
@@ -210,7 +210,7 @@ def measure_sync_loss(
     rank's times; the result is fitted through the origin over the lengths, at least 0."""
     if reps < 1 or rounds < 1 or not segments_s or min(segments_s) <= 0:
         raise ValueError("measure_sync_loss needs reps >= 1, rounds >= 1 and segments > 0 s")
-    dev = current_world.device()
+    dev = group.world.device
     probe = torch.randn(256, 256, device=dev)
     probe @ probe
     rate = 2 * 256**3 / _seconds_per_call(group, dev, lambda: probe @ probe)  # same on all ranks

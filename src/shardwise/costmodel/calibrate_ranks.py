@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from shardwise.comm import Group, current_world, ops
+from shardwise.comm import Group, ops
 from shardwise.comm.allreduce_rounds import LinkCost
 from shardwise.costmodel import calibrate
 from shardwise.costmodel.hardware import Hardware, measure_memory_bandwidth, measured
@@ -102,7 +102,7 @@ def hardware_from_record(d: Mapping[str, Any]) -> Hardware:
 
 
 def _slowest(group: Group, seconds: float) -> float:
-    took = torch.tensor([seconds], dtype=torch.float64, device=current_world.device())
+    took = torch.tensor([seconds], dtype=torch.float64, device=group.world.device)
     ops.all_reduce(took, "max", group=group)
     return float(took.item())
 
@@ -110,7 +110,7 @@ def _slowest(group: Group, seconds: float) -> float:
 def _time_probe(step: Callable[[], object], group: Group, budget_s: float) -> float:
     """Median seconds of ``step`` (at least 3 timed, as many as ``budget_s`` allows up to 10),
     the slowest rank's; every rank steps at once."""
-    dev = current_world.device()
+    dev = group.world.device
     step()  # warm-up: allocation, first-call costs
     times: list[float] = []
     start = time.perf_counter()
@@ -127,11 +127,10 @@ def _time_probe(step: Callable[[], object], group: Group, budget_s: float) -> fl
     return _slowest(group, statistics.median(times))
 
 
-def _host_bandwidth(nbytes: int = 64 << 20) -> float:
+def _host_bandwidth(dev: torch.device, nbytes: int = 64 << 20) -> float:
     """Bytes/s of a pinned host-to-device copy (CUDA only; 0 elsewhere)."""
-    if not torch.cuda.is_available() or current_world.device().type != "cuda":
+    if not torch.cuda.is_available() or dev.type != "cuda":
         return 0.0
-    dev = current_world.device()
     src = torch.ones(nbytes // 4, pin_memory=True)
     dst = torch.empty(nbytes // 4, device=dev)
     best = float("inf")
@@ -160,8 +159,8 @@ def calibrate_ranks(
     """
     spent: dict[str, float] = {}
     t0 = time.perf_counter()
-    membw = _slowest(group, measure_memory_bandwidth(current_world.device()))
-    host_bw = _host_bandwidth()
+    membw = _slowest(group, measure_memory_bandwidth(group.world.device))
+    host_bw = _host_bandwidth(group.world.device)
     spent["memory"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     share = 0.15 if probe.split is not None else 0.3
@@ -195,7 +194,7 @@ def calibrate_ranks(
         segments = (0.02,) if quick else (0.02, 0.05)
         sync = calibrate.measure_sync_loss(group, segments, reps=3, rounds=1 if quick else 2)
         spent["sync_loss"] = time.perf_counter() - t0
-    overlap = current_world.device().type == "cuda"
+    overlap = group.world.device.type == "cuda"
     hw = measured(
         (intra, inter),
         devices_per_node,

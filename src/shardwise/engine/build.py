@@ -11,7 +11,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise import comm
 from shardwise.comm import objects, ops
 from shardwise.comm.groups import Group
 from shardwise.config import Config
@@ -25,15 +24,15 @@ from shardwise.zero.units import buckets, split_trainable, units
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
-def resolve_group(group: Group | Mesh | None) -> Group:
+def resolve_group(group: Group | Mesh) -> Group:
     """The data-parallel group ZeRO shards over: a Mesh's dp axis (its shard groups under
-    hierarchical sharding, ``Mesh(dp_replicate=, dp_shard=)``), a Group, or the world."""
+    hierarchical sharding, ``Mesh(dp_replicate=, dp_shard=)``), or the Group."""
     if isinstance(group, Mesh):
         return group.group(Axis.DP_SHARD)
-    return comm.resolve(group)
+    return group
 
 
-def resolve_replicate(group: Group | Mesh | None) -> Group | None:
+def resolve_replicate(group: Group | Mesh) -> Group | None:
     """The group holding copies of this rank's shards (a Mesh's ``dp_replicate`` part), or
     None when ZeRO shards over the whole dp axis."""
     if isinstance(group, Mesh) and group.dp_replicate_size > 1:
@@ -41,11 +40,11 @@ def resolve_replicate(group: Group | Mesh | None) -> Group | None:
     return None
 
 
-def resolve_dp(group: Group | Mesh | None) -> Group:
+def resolve_dp(group: Group | Mesh) -> Group:
     """Every data-parallel rank (the shard groups and their replicas together)."""
     if isinstance(group, Mesh):
         return group.group(Axis.DP)
-    return comm.resolve(group)
+    return group
 
 
 def check_model(model: nn.Module) -> torch.device:

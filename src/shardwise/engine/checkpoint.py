@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from shardwise import dist as sw_dist
 from shardwise.checkpoint.async_writer import AsyncCheckpointWriter
 from shardwise.checkpoint.integrity import (
     check_file,
@@ -44,18 +43,19 @@ from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.checkpoint.retention import prepare_resume
 from shardwise.checkpoint.writer import save_checkpoint
 from shardwise.comm import objects
+from shardwise.comm.groups import Group
 from shardwise.engine.run_state import (
     ENGINE_FORMAT,
     READABLE_ENGINE_VERSIONS,
-    CheckpointableEngine,
+    CheckpointState,
     Stateful,
     rank_state,
     restore_rng,
     restore_trainer,
     trainer_state,
 )
-from shardwise.engine.save_group import gather_scalars, save_group, whole_model_entries
-from shardwise.engine.weights import load_pretrained
+from shardwise.engine.save_group import gather_scalars, whole_model_entries
+from shardwise.engine.weights import FullStateTarget, load_pretrained
 from shardwise.zero.checkpoint_entries import (
     ModelNames,
     check_model_matches,
@@ -64,31 +64,28 @@ from shardwise.zero.checkpoint_entries import (
     load_replicated,
     replicated_entries,
 )
+from shardwise.zero.step import zero_grads
 
-__all__ = ["EngineCheckpoints", "load_engine", "resume_engine", "save_engine"]
+__all__ = ["CheckpointState", "EngineCheckpoints", "load_engine", "resume_engine", "save_engine"]
 
 log = logging.getLogger("shardwise.checkpoint")
-
-
-def _me() -> int:
-    return sw_dist.rank()
 
 
 # ---- saving ----
 
 
-def _check_saveable(engine: CheckpointableEngine) -> None:
+def _check_saveable(engine: CheckpointState) -> None:
     accum = engine.config.gradient_accumulation_steps
-    if engine.micro_step % accum:
+    if engine.steps.micro_step % accum:
         raise ValueError(
             f"save at an optimizer-step boundary (after engine.step()): micro-step "
-            f"{engine.micro_step} is inside an accumulation window of {accum}, and "
+            f"{engine.steps.micro_step} is inside an accumulation window of {accum}, and "
             f"accumulated gradients are not saved"
         )
 
 
 def save_engine(
-    engine: CheckpointableEngine,
+    engine: CheckpointState,
     root: Path | str,
     *,
     sampler: Stateful | None = None,
@@ -96,7 +93,8 @@ def save_engine(
     async_writer: AsyncCheckpointWriter | None = None,
     verify_writes: bool = True,
 ) -> Path:
-    """Save the engine's complete training state as step ``engine.global_step`` under ``root``.
+    """Save an engine's complete training state (``Engine.checkpoint_state()``) as its global
+    step under ``root``.
 
     Call on every rank, between optimizer steps. Each rank writes only its pieces (see
     ``engine_shards``); rank 0 commits the manifest.
@@ -117,22 +115,23 @@ def save_engine(
     Communicates: one all_gather_object of scalar optimizer states over the saving group, then
     the collectives of ``save_checkpoint`` (from the writer's thread when async).
     """
-    group = save_group(engine)
+    group = engine.save_group
     _check_saveable(engine)
     names = ModelNames.of(engine.module)
-    layouts = engine.placements.layouts(engine.module, engine.group)
-    entries, local = flat_entries(engine.flats, engine.optimizer, names, layouts)
+    layouts = engine.placements.layouts(engine.module, engine.shard_group)
+    flats = list(engine.flats)
+    entries, local = flat_entries(flats, engine.optimizer, names, layouts)
     entries += replicated_entries(
         engine.module,
-        engine.flats,
+        flats,
         names,
-        engine.group.rank,
-        engine.group.size,
+        engine.shard_group.rank,
+        engine.shard_group.size,
         layouts,
         {n: b for n, b in names.buffers.items() if engine.writes_buffer(n)},
     )
     state = trainer_state(engine, names, gather_scalars(engine, local), sampler, extra)
-    step = engine.global_step
+    step = engine.steps.global_step
     if async_writer is not None:
         if async_writer.root != Path(root):
             raise ValueError(
@@ -156,11 +155,10 @@ def save_engine(
 # ---- loading ----
 
 
-def _verify_together(step_dir: Path, engine: CheckpointableEngine) -> None:
+def _verify_together(step_dir: Path, group: Group) -> None:
     """Check the commit, the manifest and every file's sha256, each rank reading a share of the
     files; every rank raises the first problem found. Communicates: one all_gather_object."""
     problem: tuple[str, str | None] | None = None
-    group = save_group(engine)
     try:
         recorded = committed_manifest_sha256(step_dir)
         manifest, sha = read_manifest(step_dir)
@@ -176,7 +174,7 @@ def _verify_together(step_dir: Path, engine: CheckpointableEngine) -> None:
         raise CheckpointError(*found[0])
 
 
-def _check_format(state: dict[str, Any], engine: CheckpointableEngine, step_dir: Path) -> None:
+def _check_format(state: dict[str, Any], engine: CheckpointState, step_dir: Path) -> None:
     fmt = state.get("format", {})
     if fmt.get("name") != ENGINE_FORMAT["name"] or fmt.get("version") not in (
         READABLE_ENGINE_VERSIONS
@@ -197,7 +195,7 @@ def _check_format(state: dict[str, Any], engine: CheckpointableEngine, step_dir:
 
 
 def load_engine(
-    engine: CheckpointableEngine,
+    engine: CheckpointState,
     path_or_root: Path | str,
     *,
     sampler: Stateful | None = None,
@@ -229,38 +227,39 @@ def load_engine(
     """
     step_dir = resolve(path_or_root, which)
     if verify:
-        _verify_together(step_dir, engine)
+        _verify_together(step_dir, engine.save_group)
     names = ModelNames.of(engine.module)
-    layouts = engine.placements.layouts(engine.module, engine.group)
+    layouts = engine.placements.layouts(engine.module, engine.shard_group)
+    flats = list(engine.flats)
     with CheckpointReader(step_dir, verify=False) as reader:
         state = reader.trainer_state
         saved_world = reader.world_size  # every rank that wrote a file: dp x tp x pp of then
         _check_format(state, engine, step_dir)
         check_model_matches(reader, whole_model_entries(engine, names, layouts))
         scalars = state["optimizer"]["scalar_states"]
-        load_flats(engine.flats, engine.optimizer, reader, names, scalars, layouts)
-        load_replicated(engine.module, engine.flats, reader, names, layouts)
-        handles = [f.publish_master() for f in engine.flats]
+        load_flats(flats, engine.optimizer, reader, names, scalars, layouts)
+        load_replicated(engine.module, flats, reader, names, layouts)
+        handles = [f.publish_master() for f in flats]
         for h in handles:
             if h is not None:
                 h.wait()
-        for f in engine.flats:
+        for f in flats:
             f.release()
-        engine.zero_grad()
+        zero_grads(flats)
         restore_trainer(engine, state, sampler)
-        restore_rng(engine, reader, save_group(engine))
+        restore_rng(engine, reader)
     log.info(
         "rank %d: loaded step %d from %s (saved by %d ranks, dp %d, at stage %d, %s; now %d "
         "ranks, dp %d, at stage %d, %s)",
-        _me(),
-        engine.global_step,
+        engine.me,
+        engine.steps.global_step,
         step_dir,
         saved_world,
         state["dp_size"],
         state["zero_stage"],
         state["precision"],
-        save_group(engine).size,
-        engine.dp_group.size,
+        engine.save_group.size,
+        engine.dp_size,
         engine.stage.stage,
         engine.config.precision,
     )
@@ -268,7 +267,7 @@ def load_engine(
 
 
 def resume_engine(
-    engine: CheckpointableEngine, root: Path | str, *, sampler: Stateful | None = None
+    engine: CheckpointState, root: Path | str, *, sampler: Stateful | None = None
 ) -> dict[str, Any] | None:
     """Load the newest checkpoint under ``root`` that verifies; None when there is none.
 
@@ -279,7 +278,7 @@ def resume_engine(
     Communicates: one broadcast_object, then ``load_engine``'s collectives.
     """
     outcome: tuple[str | None, list[tuple[str, str]]] | str | None = None
-    group = save_group(engine)
+    group = engine.save_group
     if group.rank == 0:
         try:
             found, passed_over = prepare_resume(root)
@@ -297,7 +296,7 @@ def resume_engine(
         log.log(
             logging.WARNING if skipped else logging.INFO,
             "rank %d: no %scheckpoint in %s: starting fresh",
-            _me(),
+            engine.me,
             "valid " if skipped else "",
             root,
         )
@@ -311,6 +310,12 @@ def resume_engine(
             found_name,
         )
     return load_engine(engine, found_name, sampler=sampler, verify=False)
+
+
+class CheckpointedEngine(FullStateTarget, Protocol):
+    """An engine with checkpoints: it builds its ``CheckpointState`` (and takes full weights)."""
+
+    def checkpoint_state(self) -> CheckpointState: ...
 
 
 class EngineCheckpoints:
@@ -327,14 +332,14 @@ class EngineCheckpoints:
         engine.wait_for_checkpoint()              # async saves: before the process exits
     """
 
-    def __init__(self, engine: CheckpointableEngine) -> None:
+    def __init__(self, engine: CheckpointedEngine) -> None:
         self.engine = engine
         self.writer: AsyncCheckpointWriter | None = None
         self.last_saved_step: int | None = None
 
     def root(self, path: str | Path | None) -> Path:
         """``path``, or ``config.checkpoint_dir`` when None (ValueError when neither is set)."""
-        root = path if path is not None else self.engine.config.checkpoint_dir
+        root = path if path is not None else self.engine.checkpoint_state().config.checkpoint_dir
         if root is None:
             raise ValueError(
                 "no checkpoint directory: pass path= or set Config(checkpoint_dir=...)"
@@ -350,23 +355,24 @@ class EngineCheckpoints:
     ) -> Path:
         """See ``Engine.save``."""
         root = self.root(path)
-        cfg = self.engine.config
+        state = self.engine.checkpoint_state()
+        cfg = state.config
         writer = None
         if cfg.async_save:
             if self.writer is None or self.writer.root != root:
                 self.wait()
                 self.writer = AsyncCheckpointWriter(
-                    root, keep_last=cfg.keep_last, group=save_group(self.engine)
+                    root, keep_last=cfg.keep_last, group=state.save_group
                 )
             writer = self.writer
-        out = save_engine(self.engine, root, sampler=sampler, extra=extra, async_writer=writer)
-        self.last_saved_step = self.engine.global_step
+        out = save_engine(state, root, sampler=sampler, extra=extra, async_writer=writer)
+        self.last_saved_step = state.steps.global_step
         return out
 
     def maybe_save(self, *, sampler: Stateful | None = None) -> Path | None:
         """See ``Engine.maybe_save``."""
-        every = self.engine.config.checkpoint_every
-        step = self.engine.global_step
+        state = self.engine.checkpoint_state()
+        every, step = state.config.checkpoint_every, state.steps.global_step
         if not every or step == 0 or step % every or step == self.last_saved_step:
             return None
         return self.save(sampler=sampler)
@@ -376,19 +382,19 @@ class EngineCheckpoints:
     ) -> dict[str, Any]:
         """See ``Engine.load``."""
         self.wait()
-        state = load_engine(
-            self.engine, self.root(None if path == "latest" else path), sampler=sampler
-        )
-        self.last_saved_step = self.engine.global_step
+        engine = self.engine.checkpoint_state()
+        state = load_engine(engine, self.root(None if path == "latest" else path), sampler=sampler)
+        self.last_saved_step = engine.steps.global_step
         return state
 
     def resume(self, *, sampler: Stateful | None = None) -> dict[str, Any] | None:
         """See ``Engine.resume``."""
-        if self.engine.config.resume != "auto":
+        engine = self.engine.checkpoint_state()
+        if engine.config.resume != "auto":
             return None
-        state = resume_engine(self.engine, self.root(None), sampler=sampler)
+        state = resume_engine(engine, self.root(None), sampler=sampler)
         if state is not None:
-            self.last_saved_step = self.engine.global_step
+            self.last_saved_step = engine.steps.global_step
         return state
 
     def wait(self) -> Path | None:

@@ -38,6 +38,7 @@ from shardwise.engine.build import (
 from shardwise.engine.checkpoint import EngineCheckpoints
 from shardwise.engine.memory import memory_report
 from shardwise.engine.placements import EnginePlacements, ExtraStyles
+from shardwise.engine.run_state import CheckpointState, Steps
 from shardwise.mesh import AXIS_ORDER, Axis, Mesh
 from shardwise.parallel.placement import Placement, StageOwned
 from shardwise.precision import DynamicLossScaler, resolve_precision
@@ -117,10 +118,8 @@ class Engine:
         if config.allreduce_algorithm in ("auto", "hierarchical") and self.group.size > 1:
             links = discover(self.group).links()
         self.reducer = GradReducer(self.flats, on_reduced, config.allreduce_algorithm, links)
-        self.global_step = 0
-        self.micro_step = 0
+        self.steps = Steps()
         self.grad_norm: float | None = None
-        self.skipped_steps = 0
 
     # ---- construction ----
 
@@ -294,6 +293,54 @@ class Engine:
             yield
 
     # ---- checkpoints (see shardwise.engine.checkpoint) ----
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken (skipped ones not counted)."""
+        return self.steps.global_step
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        self.steps.global_step = value
+
+    @property
+    def micro_step(self) -> int:
+        """Backward passes taken."""
+        return self.steps.micro_step
+
+    @micro_step.setter
+    def micro_step(self, value: int) -> None:
+        self.steps.micro_step = value
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped (fp16 overflow, non-finite gradients)."""
+        return self.steps.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.steps.skipped_steps = value
+
+    def checkpoint_state(self) -> CheckpointState:
+        """What a checkpoint of this engine saves and loads (see ``CheckpointState``)."""
+        mesh = self.mesh
+        return CheckpointState(
+            config=self.config,
+            save_group=self.dp_group if mesh is None else mesh.group(*AXIS_ORDER),
+            shard_group=self.group,
+            dp_size=self.dp_group.size,
+            pp_group=None if mesh is None or mesh.pp_size == 1 else mesh.group(Axis.PP),
+            tp_size=1 if mesh is None else mesh.tp_size,
+            stage=self.stage,
+            module=self.module,
+            flats=tuple(self.flats),
+            placements=self.placements,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            scaler=self.scaler,
+            writes_buffer=self.writes_buffer,
+            steps=self.steps,
+        )
 
     _ckpt: EngineCheckpoints | None = None
 

@@ -16,18 +16,18 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
-from shardwise import dist as sw_dist
 from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.comm.groups import Group
 from shardwise.config import Config
 from shardwise.engine.placements import EnginePlacements
-from shardwise.mesh import Mesh
 from shardwise.precision import DynamicLossScaler
 from shardwise.seeding import seed_all
 from shardwise.zero.checkpoint_entries import ModelNames, ScalarStates
@@ -37,33 +37,59 @@ from shardwise.zero.stage import ZeroStage
 log = logging.getLogger("shardwise.checkpoint")
 
 
-class CheckpointableEngine(Protocol):
-    """What saving and loading use of a training engine (``shardwise.Engine`` is one)."""
+@dataclass
+class Steps:
+    """An engine's step counters; the engine and its checkpoint state share one."""
+
+    global_step: int = 0
+    micro_step: int = 0
+    skipped_steps: int = 0
+
+
+@dataclass(frozen=True)
+class CheckpointState:
+    """Everything an engine checkpoint saves and loads, as the engine built it
+    (``Engine.checkpoint_state()``); the checkpoint code reads nothing else of the engine.
+
+    Args:
+        config: the engine's resolved config (stored, and its checkpoint settings).
+        save_group: the ranks that save and load together: the engine's whole mesh
+            (pp x dp x tp), or its data-parallel group; a sub-world's engine saves on its own.
+        shard_group: the group ZeRO shards the flat buffers over (file boxes follow it).
+        dp_size: every data-parallel rank (shards and replicas), recorded.
+        pp_group: the pipeline group whose stages merge their names (None without pp).
+        tp_size: tensor-parallel degree, recorded.
+        stage: the ZeRO stage.
+        module: the engine's model (its names and buffers).
+        flats: the flat buffers (masters and optimizer pieces).
+        placements: where every parameter lives (checkpoint boxes).
+        optimizer: the optimizer over this rank's shards.
+        lr_scheduler: its scheduler, or None.
+        scaler: the loss scaler.
+        writes_buffer: whether this rank writes the buffer of a state-dict key.
+        steps: the step counters, shared with the engine (a load sets them).
+    """
 
     config: Config
-    group: Group
-    dp_group: Group
+    save_group: Group
+    shard_group: Group
+    dp_size: int
+    pp_group: Group | None
+    tp_size: int
     stage: ZeroStage
     module: nn.Module
-    flats: list[FlatParam]
+    flats: tuple[FlatParam, ...]
+    placements: EnginePlacements
     optimizer: torch.optim.Optimizer
     lr_scheduler: Any
     scaler: DynamicLossScaler
-    device: torch.device
-    global_step: int
-    micro_step: int
-    skipped_steps: int
-
-    mesh: Mesh | None
-
-    def zero_grad(self) -> None: ...
+    writes_buffer: Callable[[str], bool]
+    steps: Steps
 
     @property
-    def placements(self) -> EnginePlacements: ...
-
-    def writes_buffer(self, name: str) -> bool: ...
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+    def me(self) -> int:
+        """This process's rank in its world (for log lines)."""
+        return self.save_group.ranks[self.save_group.rank]
 
 
 class Stateful(Protocol):
@@ -86,10 +112,6 @@ ENGINE_FORMAT = {
 READABLE_ENGINE_VERSIONS = (1, 2)
 """1: as 2, with rank states pickled (not loaded: RNG states are re-seeded instead)."""
 _ITEMS_TAG = "__items__"  # a dict whose keys are not all strings, as [[key, value], ...]
-
-
-def _me() -> int:
-    return sw_dist.rank()
 
 
 # ---- JSON for scheduler and optimizer hyperparameters ----
@@ -150,7 +172,7 @@ def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
             try:
                 kept[k] = _to_json(v, k)
             except ValueError:  # set by the constructor again on load
-                log.debug("rank %d: optimizer setting %r is not saved (not JSON)", _me(), k)
+                log.debug("optimizer setting %r is not saved (not JSON)", k)
         groups.append(kept)
     return groups
 
@@ -174,7 +196,7 @@ def _restore_hyperparameters(optimizer: torch.optim.Optimizer, saved: list[dict[
 
 
 def trainer_state(
-    engine: CheckpointableEngine,
+    engine: CheckpointState,
     names: ModelNames,
     scalars: ScalarStates,
     sampler: Stateful | None,
@@ -185,14 +207,14 @@ def trainer_state(
     sched = engine.lr_scheduler
     return {
         "format": ENGINE_FORMAT,
-        "global_step": engine.global_step,
-        "micro_step": engine.micro_step,
-        "skipped_steps": engine.skipped_steps,
+        "global_step": engine.steps.global_step,
+        "micro_step": engine.steps.micro_step,
+        "skipped_steps": engine.steps.skipped_steps,
         "config": engine.config.to_dict(),
-        "world_size": sw_dist.world_size(),
-        "dp_size": engine.dp_group.size,
-        "tp_size": 1 if engine.mesh is None else engine.mesh.tp_size,
-        "pp_size": 1 if engine.mesh is None else engine.mesh.pp_size,
+        "world_size": engine.save_group.size,
+        "dp_size": engine.dp_size,
+        "tp_size": engine.tp_size,
+        "pp_size": 1 if engine.pp_group is None else engine.pp_group.size,
         "zero_stage": engine.stage.stage,
         "precision": engine.config.precision,
         "loss_scaler": {"enabled": engine.scaler.enabled, **engine.scaler.state_dict()},
@@ -220,16 +242,17 @@ def rank_state() -> dict[str, Any]:
 
 
 def restore_trainer(
-    engine: CheckpointableEngine, state: dict[str, Any], sampler: Stateful | None
+    engine: CheckpointState, state: dict[str, Any], sampler: Stateful | None
 ) -> None:
     """Steps, loss scaler (when both runs scale), optimizer hyperparameters, scheduler and
     ``sampler`` from a trainer state. A micro step that does not fall on an optimizer-step
     boundary of this run's accumulation is set to ``global_step * accumulation``."""
     accum = engine.config.gradient_accumulation_steps
-    engine.global_step = int(state["global_step"])
+    steps = engine.steps
+    steps.global_step = int(state["global_step"])
     micro = int(state["micro_step"])
-    engine.micro_step = micro if micro % accum == 0 else engine.global_step * accum
-    engine.skipped_steps = int(state.get("skipped_steps", 0))
+    steps.micro_step = micro if micro % accum == 0 else steps.global_step * accum
+    steps.skipped_steps = int(state.get("skipped_steps", 0))
     scaler = state["loss_scaler"]
     if scaler["enabled"] and engine.scaler.enabled:
         engine.scaler.load_state_dict(scaler)
@@ -241,7 +264,7 @@ def restore_trainer(
         log.warning(
             "rank %d: the checkpoint %s a learning-rate scheduler state, the engine %s "
             "a scheduler: not restored",
-            _me(),
+            engine.me,
             "has" if sched else "has no",
             "has no" if engine.lr_scheduler is None else "has",
         )
@@ -251,12 +274,13 @@ def restore_trainer(
         sampler.load_state_dict(state["sampler"])
 
 
-def restore_rng(engine: CheckpointableEngine, reader: CheckpointReader, group: Group) -> None:
-    """At the saving world size, give this rank the RNG states rank ``group.rank`` saved
-    (``group``: the ranks that load together);
+def restore_rng(engine: CheckpointState, reader: CheckpointReader) -> None:
+    """At the saving world size, give this rank the RNG states its rank of the saving group
+    saved;
     otherwise (or from a format-1 checkpoint, whose pickled states are never loaded) re-seed
     every rank with ``config.seed + global_step`` and say so."""
     version = reader.manifest.format_version
+    group = engine.save_group
     if reader.world_size == group.size and version >= 2:
         rs = reader.rank_state(group.rank)
         random.setstate(rs["python"])
@@ -269,7 +293,7 @@ def restore_rng(engine: CheckpointableEngine, reader: CheckpointReader, group: G
         ):
             torch.cuda.set_rng_state_all(rs["cuda"])
         return
-    seed = engine.config.seed + engine.global_step
+    seed = engine.config.seed + engine.steps.global_step
     seed_all(seed)
     why = (
         f"checkpoint written by {reader.world_size} ranks, now {group.size}"
@@ -279,7 +303,7 @@ def restore_rng(engine: CheckpointableEngine, reader: CheckpointReader, group: G
     log.log(
         logging.INFO if version >= 2 else logging.WARNING,
         "rank %d: %s: RNG states not restored; re-seeded with config.seed + global_step = %d",
-        _me(),
+        engine.me,
         why,
         seed,
     )

@@ -9,21 +9,31 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 from shardwise.checkpoint.layout import CheckpointError
 from shardwise.checkpoint.reader import CheckpointReader
 from shardwise.checkpoint.tools import read_consolidated
-from shardwise.engine.run_state import ENGINE_FORMAT, CheckpointableEngine
+from shardwise.engine.run_state import ENGINE_FORMAT
 from shardwise.zero.checkpoint_entries import ModelNames
 
 log = logging.getLogger("shardwise.checkpoint")
 
 
+class FullStateTarget(Protocol):
+    """What takes full weights: a model (its tied names) and a full-state load."""
+
+    module: nn.Module
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+
 def load_pretrained(
-    engine: CheckpointableEngine, path_or_state_dict: Path | str | dict[str, torch.Tensor]
+    engine: FullStateTarget, path_or_state_dict: Path | str | dict[str, torch.Tensor]
 ) -> None:
     """Start ``engine`` from full model weights; call on every rank (each reads all of them).
 

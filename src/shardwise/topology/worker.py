@@ -9,7 +9,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-import shardwise
+from shardwise.comm import current_world
 from shardwise.topology.discover import discover
 from shardwise.topology.measure import DEFAULT_SIZES
 from shardwise.topology.report import draw_heatmap, format_topology
@@ -22,11 +22,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)))
     parser.add_argument("--reps", type=int, default=10)
     args = parser.parse_args(argv)
-    shardwise.init()
+    world = current_world.init()  # the command's own world: every rank of the launch
     try:
         sizes = [int(s) for s in args.sizes.split(",")]
-        topo = discover(None, sizes=sizes, reps=args.reps)
-        if shardwise.rank() == 0:
+        topo = discover(world.group, sizes=sizes, reps=args.reps)
+        if world.rank == 0:
             print(format_topology(topo), flush=True)
             if args.json:
                 topo.write_json(args.json)
@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.png:
                 print(f"wrote {draw_heatmap(topo, args.png)}", flush=True)
     finally:
-        shardwise.shutdown()
+        current_world.shutdown()
     return 0
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import shardwise
 from shardwise import environment
-from shardwise.cli.run_agent import RESTART_COUNT_ENV
 from shardwise.train.loop import Trainer
 from shardwise.train.options import RunConfig
 from shardwise.train.rundir import RunDir
@@ -37,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true", help="continue from its checkpoints")
     args = parser.parse_args(argv)
     # a restart after a failure (--max-restarts) continues from the newest valid checkpoint
-    restarted = (environment.read(RESTART_COUNT_ENV) or 0) > 0
+    restarted = (environment.read(environment.RESTART_COUNT_ENV) or 0) > 0
     run_dir = RunDir(args.run_dir).require()
     run = RunConfig.read(run_dir.config)
     # From here on a signal only asks to stop: a Ctrl-C during setup stops after the first step.

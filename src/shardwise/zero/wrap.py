@@ -37,7 +37,7 @@ class ZeroOptimizer:
         self,
         optimizer: torch.optim.Optimizer,
         stage: int,
-        group: Group | None = None,
+        group: Group,
         bucket_bytes: int = 16 * MiB,
         clip: float | None = None,
         allow_untested_optimizer: bool = False,
@@ -52,7 +52,7 @@ class ZeroOptimizer:
                 f"zero_wrap needs a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
         zero_opt.check_shardable(type(optimizer), allow_untested_optimizer)
-        self.group = comm.resolve(group)
+        self.group = group
         self.clip = clip
         params: list[nn.Parameter] = []
         for g in optimizer.param_groups:
@@ -106,4 +106,4 @@ def zero_wrap(
 ) -> ZeroOptimizer:
     """An optimizer whose ``step()`` performs the ZeRO stage 1 or 2 sharded update over
     ``group`` (default: the world) for a model whose gradients were computed locally."""
-    return ZeroOptimizer(optimizer, stage, group=group, **kwargs)
+    return ZeroOptimizer(optimizer, stage, group=comm.resolve(group), **kwargs)

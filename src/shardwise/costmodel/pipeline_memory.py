@@ -3,14 +3,14 @@
 Model states: the ``n_layer`` blocks are split evenly over the ``pp`` ranks (the first
 ``n_layer % pp`` ranks one more); the first rank also holds the token and position embeddings,
 the last the final norm and a copy of the tied head (the token embedding's weight). Under
-tensor parallelism each rank holds its tp share (``shardwise.parallel.tensor.estimate``).
+tensor parallelism each rank holds its tp share (``shardwise.costmodel.tp_memory``).
 
 Activations: a rank keeps the activations of every micro-batch it has run forward but not yet
 backward. The peak of those in flight comes from the schedule's simulator
 (``shardwise.parallel.pipeline.simulate``): ``m`` for GPipe, ``min(pp - r, m)`` for 1F1B on rank
 ``r``, whatever the simulator finds for interleaved 1F1B and ZB-H1 (a chunk of an interleaved
 schedule holds ``1/v`` of the rank's layers). Times the per-layer, per-micro-batch activation bytes
-of Korthikanti et al. 2022 (``tp.estimate.layer_activation_bytes``) times the rank's blocks;
+of Korthikanti et al. 2022 (``tp_memory.layer_activation_bytes``) times the rank's blocks;
 embeddings and the loss are not counted.
 """
 
@@ -20,10 +20,10 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
+from shardwise.costmodel import tp_memory as tp_estimate
 from shardwise.models.gpt import GPTConfig
 from shardwise.parallel.pipeline.schedule import Kind
 from shardwise.parallel.pipeline.simulate import simulate
-from shardwise.parallel.tensor import estimate as tp_estimate
 
 
 @dataclass(frozen=True)
