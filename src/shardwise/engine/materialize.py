@@ -68,7 +68,9 @@ def scratch(module: nn.Module, device: torch.device) -> Iterator[dict[str, torch
     made: dict[str, torch.Tensor] = {}
     for key, p in original.items():
         if p is not None:
-            real = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device))
+            # NaN until set: a parameter the initialization skips is caught, never trained
+            fill = float("nan") if p.dtype.is_floating_point else 0
+            real = nn.Parameter(torch.full(p.shape, fill, dtype=p.dtype, device=device))
             real.requires_grad_(p.requires_grad)
             module._parameters[key] = made[key] = real
     for key, b in list(module._buffers.items()):
@@ -136,6 +138,15 @@ def materialize_buffers(model: nn.Module, plan: InitPlan, device: torch.device) 
             plan.hook(name, m)
 
 
+def _check_set(value: torch.Tensor, name: str) -> None:
+    if value.is_floating_point() and bool(torch.isnan(value).any()):
+        raise ValueError(
+            f"parameter {name!r} of a model built on the meta device was not set by its "
+            f"initialization (its module has no reset_parameters, or the init skipped it): "
+            f"give initialize weights= holding it, or an init_fn that sets it"
+        )
+
+
 def fill_by_init(
     model: nn.Module,
     targets: ParamTargets,
@@ -172,6 +183,7 @@ def fill_by_init(
                     param = originals[key]
                     assert param is not None
                     if owner[id(param)] == id(m) and (only is None or id(param) in only):
+                        _check_set(real, f"{name}.{key}" if name else key)
                         targets.write_whole(param, real.detach())
 
 
