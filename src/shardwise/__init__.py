@@ -48,7 +48,7 @@ from shardwise.comm.current_world import (
 )
 from shardwise.config import Config
 from shardwise.dist import DistInitError
-from shardwise.engine import Engine, initialize
+from shardwise.engine import Engine, deferred_init, initialize, load_pretrained
 from shardwise.mesh import Axis, Mesh
 from shardwise.parallel import Parallelized, ParallelPlan, PipelineSplit, parallelize
 from shardwise.recompute import checkpoint, checkpoint_sequential
@@ -91,10 +91,12 @@ __all__ = [
     "comm_stats",
     "costmodel",
     "data",
+    "deferred_init",
     "device",
     "engine",
     "init",
     "initialize",
+    "load_pretrained",
     "local_rank",
     "models",
     "new_group",

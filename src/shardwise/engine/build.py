@@ -115,19 +115,23 @@ def build_flats(
     dtypes: Dtypes,
     host: torch.device,
     replicate: Group | None = None,
+    deferred: torch.device | None = None,
 ) -> tuple[list[FlatParam], ParamSchedule | None]:
     """The flat buffers (and, stage 3, the gather/free schedule), sharded over ``group`` and
     copied over ``replicate``, holding the first replica's first rank's weights. Communicates:
-    a broadcast per flat buffer and group (and per frozen parameter outside one)."""
+    a broadcast per flat buffer and group (and per frozen parameter outside one).
+
+    ``deferred`` (a meta model): the buffers are made on that device holding zeros, at stage 3
+    the shards alone, and nothing is broadcast: the engine fills them afterwards."""
     src = group.ranks[0]
     schedule = None
     if not stage.shard_params:
         flats = [
-            FlatParam(named, group, stage, dtypes, trainable, replicate)
+            FlatParam(named, group, stage, dtypes, trainable, replicate, deferred)
             for named, trainable in buckets(model, config.reduce_bucket_bytes)
         ]
         for p in model.parameters():  # frozen: replicated, never updated: rank 0's, once
-            if not p.requires_grad:
+            if not p.requires_grad and deferred is None:
                 if replicate is not None and replicate.size > 1:
                     ops.broadcast(p.data, src=replicate.ranks[0], group=replicate)
                 ops.broadcast(p.data, src=src, group=group)
@@ -138,7 +142,7 @@ def build_flats(
         for spec in specs:
             trainable, frozen = split_trainable(spec.own)
             mine = [
-                FlatParam(named, group, stage, dtypes, flag, replicate)
+                FlatParam(named, group, stage, dtypes, flag, replicate, deferred)
                 for named, flag in ((trainable, True), (frozen, False))
                 if named
             ]
@@ -151,7 +155,8 @@ def build_flats(
             [s.module for s in specs], needs, config.prefetch_units, root=model
         )
     for f in flats:
-        f.broadcast_from(src)
+        if deferred is None:
+            f.broadcast_from(src)
         f.finish_init(host)
     return flats, schedule
 

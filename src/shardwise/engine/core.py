@@ -20,7 +20,7 @@ from torch import nn
 
 from shardwise.comm.groups import Group
 from shardwise.config import Config
-from shardwise.engine import param_access
+from shardwise.engine import materialize, param_access
 from shardwise.engine.build import (
     SchedulerFactory,
     backward_args,
@@ -36,7 +36,7 @@ from shardwise.engine.build import (
     resolve_replicate,
 )
 from shardwise.engine.checkpoint import EngineCheckpoints
-from shardwise.engine.memory import memory_report
+from shardwise.engine.memory import KINDS, InitPeak, memory_report
 from shardwise.engine.placements import EnginePlacements, ExtraStyles
 from shardwise.engine.run_state import CheckpointState, Steps
 from shardwise.mesh import AXIS_ORDER, Axis, Mesh
@@ -68,9 +68,17 @@ class Engine:
         group: Group | Mesh,
         lr_scheduler: SchedulerFactory | None = None,
         placements: Mapping[str, Placement] | None = None,
+        init_fn: materialize.InitFn | None = None,
     ) -> None:
         self.config = config
         self.device = check_model(model)
+        # a model built on the meta device: this rank allocates only what it keeps, and
+        # ``materialize.fill_engine`` fills it (``shardwise.initialize`` calls it)
+        self.deferred = self.device.type == "meta"
+        if self.deferred:
+            self.device = materialize.target_device()
+        self.init_peak = InitPeak()
+        eager_bytes = 0 if self.deferred else sum(p.nbytes for p in model.parameters())
         self.mesh = group if isinstance(group, Mesh) else None
         # where every parameter lives: the plan's placements, completed and checked
         self.placements = EnginePlacements(model, self.mesh, placements, self._extra_styles(model))
@@ -92,14 +100,25 @@ class Engine:
         self.host = torch.device("cpu") if config.offload_optimizer else self.device
         self.module = model
         check_same_structure(model, self.dp_group, self.device)
+        if self.deferred:
+            materialize.prepare(model, materialize.init_plan(model, init_fn), self.device)
         broadcast_buffers(model, self.dp_group.ranks[0], self.dp_group)
         self.flats, self._schedule = build_flats(
-            model, config, self.stage, self.group, self.dtypes, self.host, self.replicate
+            model,
+            config,
+            self.stage,
+            self.group,
+            self.dtypes,
+            self.host,
+            self.replicate,
+            deferred=self.device if self.deferred else None,
         )
         param_access.claim(model)
         self._where: dict[int, tuple[FlatParam, ParamSlot]] = {
             id(p): (f, s) for f in self.flats for s, p in zip(f.slots, f.params)
         }
+        if self.deferred:
+            materialize.outside_flats(model, set(self._where), self.device)
         self.norm = self.placements.norm_reduction(model)
         self._state_dict_hooks = param_access.guard_state_dict(model, self.flats)
         cast_outside_flats(model, set(self._where), self.dtypes.param)
@@ -120,6 +139,8 @@ class Engine:
         self.reducer = GradReducer(self.flats, on_reduced, config.allreduce_algorithm, links)
         self.steps = Steps()
         self.grad_norm: float | None = None
+        self.init_peak.set_base(sum(self.memory()[k] for k in KINDS))
+        self.init_peak.note(eager_bytes)  # a model built eagerly was held whole beside it
 
     # ---- construction ----
 
@@ -269,8 +290,10 @@ class Engine:
         )
 
     def memory(self) -> dict[str, int]:
-        """Bytes this rank holds now: see ``shardwise.engine.memory.memory_report``."""
-        return memory_report(
+        """Bytes this rank holds now: see ``shardwise.engine.memory.memory_report``; plus
+        ``init_peak``, the most it held while it was initialized and loaded (see
+        ``shardwise.engine.memory.InitPeak``)."""
+        report = memory_report(
             self.module,
             self.flats,
             self.optimizer,
@@ -278,6 +301,8 @@ class Engine:
             self.host,
             self.reducer.comm_bytes(),
         )
+        report["init_peak"] = self.init_peak.peak
+        return report
 
     @contextmanager
     def gathered_parameters(

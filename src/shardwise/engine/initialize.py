@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -12,6 +13,8 @@ from shardwise import comm
 from shardwise.comm.groups import Group
 from shardwise.config import Config
 from shardwise.engine.core import Engine, SchedulerFactory
+from shardwise.engine.materialize import InitFn, fill_engine
+from shardwise.engine.pretrained import Source, load_pretrained
 from shardwise.mesh import Mesh
 from shardwise.parallel.parallelize import Parallelized
 from shardwise.parallel.pipeline.engine import PipelineEngine, check_pipeline_config
@@ -31,6 +34,9 @@ def initialize(
     group: Group | Mesh | None = None,
     lr_scheduler: SchedulerFactory | None = None,
     placements: Mapping[str, Placement] | None = None,
+    weights: Path | str | Source | None = None,
+    init_fn: InitFn | None = None,
+    strict: bool = True,
 ) -> Engine:
     """Wrap ``model`` for ZeRO training over ``group`` (default: the world; a Mesh: its dp axis,
     the norm spanning its other axes too; a ``Mesh(dp_replicate=, dp_shard=)``: sharded over
@@ -56,8 +62,22 @@ def initialize(
             each parameter name's ``Placement`` (``tp.placements``); a model holding
             tensor-parallel layers without them is refused.
 
+        weights: start from these weights (a Hugging Face model directory, a ``.safetensors``
+            file or a shardwise checkpoint), each rank reading only what it keeps (see
+            ``shardwise.engine.pretrained``); ``strict``: raise naming any missing, unexpected or
+            mismatched tensor (False: log them; missing ones keep, or get, their
+            initialization).
+        init_fn: for a model built on the meta device (``shardwise.deferred_init``) without
+            weights, or for what weights lack: ``init_fn(module)`` initializes each module's
+            own parameters (default: the model's ``init_module`` / Hugging Face
+            ``_init_weights`` / each module's ``reset_parameters``); see
+            ``shardwise.engine.materialize``.
+
+    A model on the meta device is accepted at every stage and layout: each rank allocates only
+    what it keeps (at ZeRO-3 its shards) and fills it from ``weights`` or module by module.
+
     Communicates: one all_gather of 8 bytes per rank (the structure check), broadcasts of every
-    parameter and buffer from the group's first rank.
+    parameter and buffer from the group's first rank (a meta model: of the buffers only).
     """
     if isinstance(model, Parallelized):
         if group is not None and group is not model.mesh:
@@ -77,7 +97,14 @@ def initialize(
         check_pipeline_config(model, config, group)  # before anything changes the model
     if config.activation_checkpointing:
         apply_activation_checkpointing(model, config.activation_checkpointing)
+    engine: Engine
     if isinstance(model, PipelineModule):
         assert isinstance(group, Mesh)
-        return PipelineEngine(model, optimizer, config, group, lr_scheduler, placements)
-    return Engine(model, optimizer, config, group, lr_scheduler, placements)
+        engine = PipelineEngine(model, optimizer, config, group, lr_scheduler, placements, init_fn)
+    else:
+        engine = Engine(model, optimizer, config, group, lr_scheduler, placements, init_fn)
+    if engine.deferred:
+        fill_engine(engine, weights, init_fn, strict)
+    elif weights is not None:
+        load_pretrained(engine, weights, strict=strict)
+    return engine

@@ -173,23 +173,30 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def _init_weights(self) -> None:
+        for name, module in self.named_modules():
+            self.init_module(name, module)
+
+    @torch.no_grad()
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """Initialize ``module`` (named ``name`` in this model), its own parameters only: the
+        constructor calls it on every module in order; a model built on the meta device is
+        initialized through it one module at a time (``shardwise.deferred_init``)."""
         # Each residual branch adds to the stream, so its output projection is scaled down by
         # 1/sqrt(2 * n_layer) to keep the stream's variance flat with depth (GPT-2 paper, sec. 2.3).
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
-        for name, module in self.named_modules():
-            if module is self.head:
-                continue  # its weight is the token embedding's, initialised once there
-            if isinstance(module, nn.Linear):
-                std = residual_std if name.endswith(("out_proj", "fc_out")) else 0.02
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+        if module is self.head:
+            return  # its weight is the token embedding's, initialised once there
+        if isinstance(module, nn.Linear):
+            std = residual_std if name.endswith(("out_proj", "fc_out")) else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     def num_params(self) -> int:
         """Number of distinct parameters (the tied head weight is counted once)."""

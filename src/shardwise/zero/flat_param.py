@@ -72,6 +72,24 @@ def _resize_storage(t: torch.Tensor, numel: int) -> None:
         storage.resize_(nbytes)
 
 
+def _unallocated(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-D tensor of ``numel`` elements whose storage holds nothing yet (gathered into later).
+    torch sizes a tensor's storage to its shape when it is made; ``empty`` never touches the
+    pages, and they are returned at once, so no values are ever held."""
+    t = torch.empty(numel, dtype=dtype, device=device)
+    t.untyped_storage().resize_(0)
+    return t
+
+
+def make_real(p: nn.Parameter, device: torch.device) -> None:
+    """Move a meta parameter to ``device`` in place (the same Python object, so references to
+    it, an optimizer's included, stay valid): it holds one element expanded to its shape
+    until its ``.data`` is pointed at real values. ``.data`` cannot cross from meta to a real
+    device, so the two tensors' contents are swapped instead."""
+    placeholder = torch.zeros((), dtype=p.dtype, device=device).expand(p.shape)
+    torch.utils.swap_tensors(p, nn.Parameter(placeholder, requires_grad=p.requires_grad))
+
+
 class FlatParam:
     """A unit's (or a bucket's) parameters, flattened, padded and sharded over ``group`` (and
     replicated over ``replicate``, hierarchical sharding)."""
@@ -84,6 +102,7 @@ class FlatParam:
         dtypes: Dtypes,
         trainable: bool = True,
         replicate: Group | None = None,
+        deferred: torch.device | None = None,
     ) -> None:
         if not named_params:
             raise ValueError("a FlatParam needs at least one parameter")
@@ -91,7 +110,13 @@ class FlatParam:
         self.params = [p for _, p in named_params]
         self.group, self.stage, self.dtypes, self.trainable = group, stage, dtypes, trainable
         self.replicate = replicate if replicate is not None and replicate.size > 1 else None
-        self.device = self.params[0].device
+        # deferred (parameters on the meta device): nothing to copy, and at stage 3 the full
+        # buffer is never allocated: only the shard is, filled later by ``write_range``
+        self.deferred = deferred is not None
+        self.device = deferred if deferred is not None else self.params[0].device
+        for p in self.params:
+            if p.is_meta and deferred is not None:
+                make_real(p, deferred)
         self.slots, self.numel = layout(self.names, [tuple(p.shape) for p in self.params])
         n = group.size
         self.padded = padded_numel(self.numel, n)
@@ -100,30 +125,38 @@ class FlatParam:
             self.opt_start, self.opt_stop = self.shard_start, self.shard_stop
         else:
             self.opt_start, self.opt_stop = 0, self.padded
-        self.full = torch.zeros(self.padded, dtype=dtypes.param, device=self.device)
+        if self.deferred and stage.shard_params:
+            self.full = _unallocated(self.padded, dtypes.param, self.device)
+        else:
+            self.full = torch.zeros(self.padded, dtype=dtypes.param, device=self.device)
         # The initial weights at full precision: the master copy starts from these, not from
         # their rounding to the compute dtype.
         self._init_master: torch.Tensor | None = None
-        if dtypes.master != dtypes.param and trainable:
+        if dtypes.master != dtypes.param and trainable and not self.deferred:
             self._init_master = torch.zeros(self.padded, dtype=dtypes.master, device=self.device)
         with torch.no_grad():
-            for slot, p in zip(self.slots, self.params):
+            for slot, p in zip(self.slots, self.params if not self.deferred else []):
                 src = p.detach().reshape(-1)
                 self.full[slot.offset : slot.end].copy_(src)
                 if self._init_master is not None:
                     self._init_master[slot.offset : slot.end].copy_(src)
-        self._attach_views()
+        if not (self.deferred and stage.shard_params):  # else no values until the shard is filled
+            self._attach_views()
         # What a released parameter's ``.data`` shows: its shape, NaN values (zero for integer
         # dtypes), backed by one element, never freed memory; reading it raises first (a
         # stage-3 parameter is a ``ShardedParameter``), the NaN is a second line of defence.
         fill = float("nan") if dtypes.param.is_floating_point else 0
         self._placeholder = torch.full((), fill, dtype=dtypes.param, device=self.device)
         self.state = ParamState.FULL
+        self.master: torch.Tensor
         self._gather_handle: ops.Handle | None = None
         self.log: GatherLog | None = None  # stage 3: records every all_gather it starts
         self._gather_src: torch.Tensor | None = None
-        self.shard = self.full[self.shard_start : self.shard_stop]
-        self.master: torch.Tensor = self.full[self.opt_start : self.opt_stop]
+        if self.deferred and stage.shard_params:  # made by finish_init
+            self.shard = self.master = torch.empty(0, dtype=dtypes.param, device=self.device)
+        else:
+            self.shard = self.full[self.shard_start : self.shard_stop]
+            self.master = self.full[self.opt_start : self.opt_stop]
         self.opt_pieces: list[ShardPiece] = []
         self.opt_params: list[nn.Parameter] = []
         self.grad_full: torch.Tensor | None = None
@@ -157,7 +190,12 @@ class FlatParam:
         """Split off the shard, the fp32 master and the optimizer's views; release what this
         stage does not keep. ``host``: where the master and optimizer live (offload)."""
         if self.stage.shard_params:
-            self.shard = self.full[self.shard_start : self.shard_stop].clone()
+            if self.deferred:  # the values come later, written into the shard only
+                self.shard = torch.zeros(
+                    self.shard_stop - self.shard_start, dtype=self.dtypes.param, device=self.device
+                )
+            else:
+                self.shard = self.full[self.shard_start : self.shard_stop].clone()
             self._transition(ParamState.SHARDED)
             _resize_storage(self.full, 0)
             self._detach_views()
@@ -169,6 +207,10 @@ class FlatParam:
             init = self._init_master[self.opt_start : self.opt_stop]
             self.master = init.to(host, copy=True)
             self._init_master = None
+        elif self.deferred and self.trainable and self.dtypes.master != self.dtypes.param:
+            self.master = torch.zeros(
+                self.opt_stop - self.opt_start, dtype=self.dtypes.master, device=host
+            )
         elif host != self.device and self.trainable:
             self.master = base.detach().to(host, copy=True)
         else:
@@ -292,17 +334,34 @@ class FlatParam:
 
     def load_param(self, slot: ParamSlot, value: torch.Tensor) -> None:
         """Write one whole parameter's value into every copy this rank keeps of it."""
-        flat = value.detach().reshape(-1)
+        self.write_range(slot, 0, value.detach().reshape(-1))
+
+    def kept_range(self, slot: ParamSlot) -> tuple[int, int]:
+        """The part ``[start, stop)`` of the flattened parameter of ``slot`` that this rank keeps
+        in some copy (the whole parameter while ``full`` is allocated; else what falls in the
+        shard and optimizer ranges); ``start == stop`` when it keeps none."""
+        if self.full.untyped_storage().size() > 0:
+            return 0, slot.numel
+        lo = max(slot.offset, min(self.shard_start, self.opt_start))
+        hi = min(slot.end, max(self.shard_stop, self.opt_stop))
+        return (lo - slot.offset, hi - slot.offset) if lo < hi else (0, 0)
+
+    def write_range(self, slot: ParamSlot, start: int, flat: torch.Tensor) -> None:
+        """Write elements ``[start, start + len(flat))`` of the flattened parameter of ``slot``
+        into every copy this rank keeps of them (dtype converted on copy)."""
+        lo_abs = slot.offset + start
+        hi_abs = lo_abs + flat.numel()
+        assert slot.offset <= lo_abs <= hi_abs <= slot.end, "range outside the parameter"
         with torch.no_grad():
             if self.full.untyped_storage().size() > 0:
-                self.full[slot.offset : slot.end].copy_(flat)
-            for start, stop, target in (
+                self.full[lo_abs:hi_abs].copy_(flat)
+            for begin, stop, target in (
                 (self.shard_start, self.shard_stop, self.shard),
                 (self.opt_start, self.opt_stop, self.master),
             ):
-                lo, hi = max(slot.offset, start), min(slot.end, stop)
+                lo, hi = max(lo_abs, begin), min(hi_abs, stop)
                 if lo < hi:
-                    target[lo - start : hi - start].copy_(flat[lo - slot.offset : hi - slot.offset])
+                    target[lo - begin : hi - begin].copy_(flat[lo - lo_abs : hi - lo_abs])
 
     def memory(self) -> dict[str, int]:
         """Bytes held now, counted from the tensors that exist (storage sizes)."""

@@ -11,7 +11,7 @@ loss = engine.train_batch(x, y)   # this dp rank's batch
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -82,9 +82,10 @@ class PipelineEngine(Engine):
         group: Mesh,
         lr_scheduler: SchedulerFactory | None = None,
         placements: Mapping[str, Placement] | None = None,
+        init_fn: Callable[[torch.nn.Module], None] | None = None,
     ) -> None:
         check_pipeline_config(pipe, config, group)
-        super().__init__(pipe, optimizer, config, group, lr_scheduler, placements)
+        super().__init__(pipe, optimizer, config, group, lr_scheduler, placements, init_fn)
         self.pipe = pipe
         self.executor = PipelineExecutor(
             pipe, config.pipeline_schedule, config.pipeline_microbatches

@@ -1,0 +1,170 @@
+"""Streaming load: each rank reads from a checkpoint only the bytes it keeps.
+
+A source is a Hugging Face model directory (``model.safetensors`` or shards with an index), a
+plain ``.safetensors`` file, or a shardwise checkpoint at any layout. Names are mapped onto the
+model's own as ``from_pretrained`` does (``shardwise.hf.map_names``: tied weights, base-model
+prefixes; strict raises naming every missing, unexpected or mismatched tensor, lenient logs and
+lists them). For each parameter the rank reads the part of its local tensor it keeps (at ZeRO-3
+its flat shard range, which may start and end inside a row; under tp its slice of the whole
+tensor from the placement's split dims, vocabulary padding left zero; both at once when
+combined), in boxes of at most a third of the largest tensor, converted to the dtype it is kept
+in on copy (bf16 on disk into fp32 masters without a full-size copy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardwise.checkpoint.entries import flat_range_boxes
+from shardwise.checkpoint.layout import MANIFEST_NAME
+from shardwise.engine.memory import InitPeak
+from shardwise.engine.targets import ParamTargets, Target
+from shardwise.hf import CheckpointWeights, NameMapping, map_names, model_spec, open_weights
+from shardwise.parallel.placement import Placement
+
+log = logging.getLogger("shardwise.checkpoint")
+
+Source = Any  # a SafetensorsSource or CheckpointWeights: names, shape, dtype, read_box, origin
+
+__all__ = ["Source", "load_pretrained", "open_source", "stream_into"]
+
+
+def open_source(weights: Path | str | Source) -> Source:
+    """A weights source for ``weights``: an open source as is; a directory holding a
+    checkpoint manifest (a ``step-N``) or ``step-*`` directories: a shardwise checkpoint;
+    else a Hugging Face model directory or a ``.safetensors`` file."""
+    if not isinstance(weights, (str, Path)):
+        return weights
+    path = Path(weights)
+    if path.is_dir() and (
+        (path / MANIFEST_NAME).is_file() or any(path.glob(f"step-*/{MANIFEST_NAME}"))
+    ):
+        return CheckpointWeights(path)
+    return open_weights(path)
+
+
+def mapping_for(
+    module: torch.nn.Module, targets: ParamTargets, source: Source, strict: bool
+) -> NameMapping:
+    """The model's names mapped onto ``source``'s, with each parameter's whole (unsplit)
+    shape."""
+    spec = model_spec(module)
+    whole = {id(t.param): t.placement.full_shape for t in targets}
+    state = module.state_dict(keep_vars=True)
+    tensors = {
+        n: s._replace(shape=tuple(whole.get(id(state[n]), s.shape)))
+        for n, s in spec.tensors.items()
+    }
+    return map_names(dataclasses.replace(spec, tensors=tensors), source, strict)
+
+
+def read_local(
+    source: Source,
+    key: str,
+    where: Placement,
+    start: int,
+    stop: int,
+    dtype: torch.dtype,
+    peak: InitPeak,
+) -> torch.Tensor:
+    """Elements ``[start, stop)`` of this rank's flattened local tensor of ``where`` (its tp
+    slice, zero padding past the whole tensor's end), read from stored tensor ``key`` as
+    ``dtype``. Only elements inside the range and the whole tensor are read."""
+    local = where.local_shape()
+    offsets, real = where.real_box()
+    out = torch.zeros(stop - start, dtype=dtype)
+    for (lo, shape), pos in flat_range_boxes(local, start, stop):
+        hi = [min(a + s, r) for a, s, r in zip(lo, shape, real)]
+        if any(h <= a for h, a in zip(hi, lo)):
+            continue  # padding only
+        got = source.read_box(
+            key,
+            tuple(o + a for o, a in zip(offsets, lo)),
+            tuple(h - a for h, a in zip(hi, lo)),
+            None,
+        )
+        peak.note(out.nbytes + 2 * got.nbytes)
+        n = math.prod(shape)
+        if tuple(got.shape) == tuple(shape):
+            out[pos - start : pos - start + n].copy_(got.reshape(-1))
+        else:  # the box reaches into padding: place the real part, the rest stays zero
+            box = out[pos - start : pos - start + n].view(shape)
+            box[tuple(slice(0, h - a) for h, a in zip(hi, lo))].copy_(got)
+    return out
+
+
+def _kept_dtype(target: Target) -> torch.dtype:
+    flat = target.flat
+    if flat is not None and flat.trainable:
+        return flat.dtypes.master
+    return target.param.dtype
+
+
+def _stream_param(
+    source: Source, key: str, target: Target, chunk_numel: int, peak: InitPeak
+) -> None:
+    start, stop = target.kept_range()
+    dtype = _kept_dtype(target)
+    row = math.prod(target.placement.local_shape()[1:]) or 1
+    step = max(row, chunk_numel // row * row)
+    for lo in range(start, stop, step):
+        hi = min(stop, lo + step)
+        values = read_local(source, key, target.placement, lo, hi, dtype, peak)
+        target.write(lo, values)
+
+
+def stream_into(
+    module: torch.nn.Module,
+    targets: ParamTargets,
+    source: Source,
+    strict: bool,
+    peak: InitPeak,
+) -> NameMapping:
+    """Read every parameter this rank keeps (its kept range) and every persistent buffer from
+    ``source`` into ``targets`` / the module; returns the name mapping (what was missing is
+    left unfilled in ``targets``). Communicates nothing.
+
+    Raises:
+        WeightsError: naming the file and tensor (a mismatch in strict mode, a damaged file).
+    """
+    mapping = mapping_for(module, targets, source, strict)
+    largest = max((t.param.numel() for t in targets), default=1)
+    chunk = max(1, largest // 3)
+    for target in targets:
+        key = mapping.source_of.get(target.name)
+        if key is None:
+            continue
+        _stream_param(source, key, target, chunk, peak)
+        targets.filled.add(id(target.param))
+    params = {id(p) for p in module.parameters()}
+    for name, t in module.state_dict(keep_vars=True).items():
+        key = mapping.source_of.get(name)
+        if key is None or id(t) in params:
+            continue
+        value = source.read_box(key, (0,) * t.dim(), tuple(t.shape), t.dtype)
+        with torch.no_grad():
+            t.copy_(value)
+    log.info("read %d bytes from %s", source.bytes_read, source.origin)
+    return mapping
+
+
+def load_pretrained(
+    engine: Any, weights: Path | str | Source, *, strict: bool = True
+) -> NameMapping:
+    """Load ``weights`` into ``engine`` (any engine, right after ``initialize``), each rank
+    reading only the pieces of every tensor it keeps (see the module docstring); call on every
+    rank. Lenient (``strict=False``): parameters the source lacks keep their values, and the
+    mapping returned lists them. Optimizer states are untouched. Communicates nothing.
+
+    Raises:
+        WeightsError: naming the file and tensor at fault (a strict mismatch, a damaged file).
+    """
+    targets = ParamTargets(engine.module, engine._where, engine.placements)
+    with open_source(weights) as source:
+        return stream_into(engine.module, targets, source, strict, engine.init_peak)

@@ -1,0 +1,69 @@
+"""Deferred initialization and streaming loads (#19): a model built on the meta device starts
+at every rank from its own pieces, equal to an eager build or to the checkpoint it was read
+from, within the memory bound, and bad sources fail on every rank naming the file and tensor."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import big_load_cases as bc
+import pytest
+
+from shardwise.testing import run_on_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+import hf_models  # noqa: E402
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gpt_built_on_meta_equals_eager_bitwise_at_zero3(world):
+    for peak, bound in run_on_ranks(world, bc.gpt_deferred_equals_eager, 3, timeout_s=300):
+        assert 0 < peak <= bound
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("llama")
+    return hf_models.save(hf_models.tiny_llama(seed=0), path, max_shard_size="20KB")
+
+
+@pytest.mark.parametrize("stage", [3, 1])
+def test_llama_dir_loads_at_dp2_and_trains_like_one_process(llama_dir, stage):
+    assert (llama_dir / "model.safetensors.index.json").is_file()  # sharded
+    rows = run_on_ranks(2, bc.llama_load_train, str(llama_dir), stage, timeout_s=300)
+    for step in range(3):
+        mean = sum(r[0][step][0] for r in rows) / 2
+        assert mean == pytest.approx(rows[0][0][step][1], rel=1e-5)
+    for _, (peak, bound) in rows:
+        assert 0 < peak <= bound
+
+
+def test_index_naming_a_missing_file_fails_on_every_rank(llama_dir, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in llama_dir.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    gone = sorted(set(index["weight_map"].values()))[0]
+    (bad / gone).unlink()
+    messages = run_on_ranks(2, bc.bad_source, str(bad), timeout_s=300)
+    assert all(gone in m for m in messages)
+
+
+def test_truncated_file_fails_on_every_rank(llama_dir, tmp_path):
+    bad = tmp_path / "trunc"
+    bad.mkdir()
+    for f in llama_dir.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    shard = sorted(bad.glob("model-*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    messages = run_on_ranks(2, bc.bad_source, str(bad), timeout_s=300)
+    assert all(shard.name in m for m in messages)
+
+
+def test_meta_parameter_nobody_initialized_is_named_on_every_rank():
+    messages = run_on_ranks(2, bc.uninitialized_meta_param, timeout_s=300)
+    assert all("'scale'" in m for m in messages)
