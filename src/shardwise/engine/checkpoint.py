@@ -4,7 +4,8 @@
     state = load_engine(engine, "ckpt", sampler=sampler)   # every rank; any world size
 
 ``Engine.save`` / ``load`` / ``resume`` / ``maybe_save`` / ``wait_for_checkpoint`` /
-``load_full_state`` are :class:`EngineCheckpoints`' methods. A checkpoint holds the logical
+``load_full_state`` are :class:`shardwise.engine.checkpoint_methods.EngineCheckpoints`
+methods. A checkpoint holds the logical
 tensors of ``zero.checkpoint_entries`` (fp32 masters ``model/``, element-wise optimizer states
 ``optim/``, buffers ``buffer/``), each rank writing only its own boxes, plus the trainer state
 (JSON, in the manifest: steps, config, scheduler, optimizer settings, sampler position...) and
@@ -26,9 +27,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Protocol
-
-import torch
+from typing import Any
 
 from shardwise.checkpoint.async_writer import AsyncCheckpointWriter
 from shardwise.checkpoint.integrity import (
@@ -55,7 +54,6 @@ from shardwise.engine.run_state import (
     trainer_state,
 )
 from shardwise.engine.save_group import gather_scalars, whole_model_entries
-from shardwise.engine.weights import FullStateTarget, load_pretrained
 from shardwise.zero.checkpoint_entries import (
     ModelNames,
     check_model_matches,
@@ -66,7 +64,7 @@ from shardwise.zero.checkpoint_entries import (
 )
 from shardwise.zero.step import zero_grads
 
-__all__ = ["CheckpointState", "EngineCheckpoints", "load_engine", "resume_engine", "save_engine"]
+__all__ = ["CheckpointState", "load_engine", "resume_engine", "save_engine"]
 
 log = logging.getLogger("shardwise.checkpoint")
 
@@ -310,97 +308,3 @@ def resume_engine(
             found_name,
         )
     return load_engine(engine, found_name, sampler=sampler, verify=False)
-
-
-class CheckpointedEngine(FullStateTarget, Protocol):
-    """An engine with checkpoints: it builds its ``CheckpointState`` (and takes full weights)."""
-
-    def checkpoint_state(self) -> CheckpointState: ...
-
-
-class EngineCheckpoints:
-    """An engine's checkpoint methods (``Engine.save``, ``load``, ``resume``...): where its
-    checkpoints go, its background writer, and the last step saved or loaded.
-
-    The training loop drives them; ``step()`` never saves by itself::
-
-        engine.resume(sampler=sampler)           # resume="auto": newest valid checkpoint
-        while engine.global_step < steps:
-            ...forward / backward...
-            if engine.step():
-                engine.maybe_save(sampler=sampler)  # every config.checkpoint_every steps
-        engine.wait_for_checkpoint()              # async saves: before the process exits
-    """
-
-    def __init__(self, engine: CheckpointedEngine) -> None:
-        self.engine = engine
-        self.writer: AsyncCheckpointWriter | None = None
-        self.last_saved_step: int | None = None
-
-    def root(self, path: str | Path | None) -> Path:
-        """``path``, or ``config.checkpoint_dir`` when None (ValueError when neither is set)."""
-        root = path if path is not None else self.engine.checkpoint_state().config.checkpoint_dir
-        if root is None:
-            raise ValueError(
-                "no checkpoint directory: pass path= or set Config(checkpoint_dir=...)"
-            )
-        return Path(root)
-
-    def save(
-        self,
-        path: str | Path | None = None,
-        *,
-        sampler: Stateful | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> Path:
-        """See ``Engine.save``."""
-        root = self.root(path)
-        state = self.engine.checkpoint_state()
-        cfg = state.config
-        writer = None
-        if cfg.async_save:
-            if self.writer is None or self.writer.root != root:
-                self.wait()
-                self.writer = AsyncCheckpointWriter(
-                    root, keep_last=cfg.keep_last, group=state.save_group
-                )
-            writer = self.writer
-        out = save_engine(state, root, sampler=sampler, extra=extra, async_writer=writer)
-        self.last_saved_step = state.steps.global_step
-        return out
-
-    def maybe_save(self, *, sampler: Stateful | None = None) -> Path | None:
-        """See ``Engine.maybe_save``."""
-        state = self.engine.checkpoint_state()
-        every, step = state.config.checkpoint_every, state.steps.global_step
-        if not every or step == 0 or step % every or step == self.last_saved_step:
-            return None
-        return self.save(sampler=sampler)
-
-    def load(
-        self, path: str | Path = "latest", *, sampler: Stateful | None = None
-    ) -> dict[str, Any]:
-        """See ``Engine.load``."""
-        self.wait()
-        engine = self.engine.checkpoint_state()
-        state = load_engine(engine, self.root(None if path == "latest" else path), sampler=sampler)
-        self.last_saved_step = engine.steps.global_step
-        return state
-
-    def resume(self, *, sampler: Stateful | None = None) -> dict[str, Any] | None:
-        """See ``Engine.resume``."""
-        engine = self.engine.checkpoint_state()
-        if engine.config.resume != "auto":
-            return None
-        state = resume_engine(engine, self.root(None), sampler=sampler)
-        if state is not None:
-            self.last_saved_step = engine.steps.global_step
-        return state
-
-    def wait(self) -> Path | None:
-        """See ``Engine.wait_for_checkpoint``."""
-        return None if self.writer is None else self.writer.wait()
-
-    def load_full_state(self, source: str | Path | dict[str, torch.Tensor]) -> None:
-        """See ``Engine.load_full_state``."""
-        load_pretrained(self.engine, source)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +34,7 @@ from shardwise.engine.build import (
     resolve_group,
     resolve_replicate,
 )
-from shardwise.engine.checkpoint import EngineCheckpoints
+from shardwise.engine.checkpoint_methods import CheckpointMethods
 from shardwise.engine.memory import KINDS, InitPeak, memory_report
 from shardwise.engine.placements import EnginePlacements, ExtraStyles
 from shardwise.engine.run_state import CheckpointState, Steps
@@ -55,7 +54,7 @@ log = logging.getLogger("shardwise")
 __all__ = ["Engine", "SchedulerFactory"]
 
 
-class Engine:
+class Engine(CheckpointMethods):
     """A model, its sharded optimizer and the ZeRO machinery, driven by forward / backward /
     step. Build it with ``shardwise.initialize``, which applies the parallelisms that change the
     model first (activation checkpointing from ``Config``)."""
@@ -366,68 +365,3 @@ class Engine:
             writes_buffer=self.writes_buffer,
             steps=self.steps,
         )
-
-    _ckpt: EngineCheckpoints | None = None
-
-    @property
-    def checkpoints(self) -> EngineCheckpoints:
-        """This engine's checkpoint state: its background writer and last saved step."""
-        if self._ckpt is None:
-            self._ckpt = EngineCheckpoints(self)
-        return self._ckpt
-
-    def save(
-        self,
-        path: str | Path | None = None,
-        *,
-        sampler: Any = None,
-        extra: dict[str, Any] | None = None,
-    ) -> Path:
-        """Save a sharded checkpoint of step ``global_step``; call on every rank.
-
-        Args:
-            path: checkpoint root (default ``config.checkpoint_dir``).
-            sampler: a data sampler whose position is saved (``state_dict()``).
-            extra: JSON-able values returned by ``load`` under "extra".
-
-        With ``config.async_save`` the state is copied to host memory and written by a
-        background thread while training goes on (the first async save forms the writer's
-        process group: every rank must make it together); ``wait_for_checkpoint()`` blocks
-        until it is committed. Returns the checkpoint's path. Communicates: see
-        ``shardwise.engine.checkpoint.save_engine``.
-        """
-        return self.checkpoints.save(path, sampler=sampler, extra=extra)
-
-    def maybe_save(self, *, sampler: Any = None) -> Path | None:
-        """Save when ``global_step`` is a positive multiple of ``config.checkpoint_every`` and
-        was not saved yet (call it after every ``step()``, on every rank); else do nothing.
-        Returns the checkpoint's path, or None."""
-        return self.checkpoints.maybe_save(sampler=sampler)
-
-    def load(self, path: str | Path = "latest", *, sampler: Any = None) -> dict[str, Any]:
-        """Load a checkpoint into this engine (any world size, stage or precision may have
-        written it); call on every rank. ``path``: ``"latest"`` (newest committed in
-        ``config.checkpoint_dir``), a checkpoint root, or a ``step-N`` directory. Verifies every
-        file first and raises ``CheckpointError`` naming a damaged one. Returns the trainer
-        state. Communicates: see ``shardwise.engine.checkpoint.load_engine``."""
-        return self.checkpoints.load(path, sampler=sampler)
-
-    def resume(self, *, sampler: Any = None) -> dict[str, Any] | None:
-        """``config.resume == "auto"``: load the newest checkpoint in ``config.checkpoint_dir``
-        that verifies, skipping damaged ones with a warning that names each and why and setting
-        them aside (``damaged-step-N``); no checkpoint: log it and start fresh. ``"never"``: do
-        nothing. Call on every rank before training. Returns the trainer state, or None when
-        nothing was loaded. Communicates: see ``shardwise.engine.checkpoint.resume_engine``."""
-        return self.checkpoints.resume(sampler=sampler)
-
-    def wait_for_checkpoint(self) -> Path | None:
-        """Block until the pending background save is committed (raising its error); returns
-        the last committed path of the async writer (None if it never saved)."""
-        return self.checkpoints.wait()
-
-    def load_full_state(self, path_or_state_dict: str | Path | dict[str, torch.Tensor]) -> None:
-        """Start from full model weights: a state dict, a ``.safetensors`` file (e.g. from
-        ``shardwise checkpoint export``), a ``torch.save`` file or a checkpoint directory; call
-        on every rank right after ``initialize``. Optimizer states are untouched (empty).
-        Communicates nothing."""
-        self.checkpoints.load_full_state(path_or_state_dict)
