@@ -36,6 +36,7 @@ from shardwise.engine.build import (
     resolve_replicate,
 )
 from shardwise.engine.checkpoint import EngineCheckpoints
+from shardwise.engine.export import ExportReport, save_pretrained
 from shardwise.engine.memory import memory_report
 from shardwise.engine.placements import EnginePlacements, ExtraStyles
 from shardwise.mesh import AXIS_ORDER, Axis, Mesh
@@ -277,6 +278,40 @@ class Engine:
             self.host,
             self.reducer.comm_bytes(),
         )
+
+    def save_pretrained(
+        self,
+        out_dir: str | Path,
+        max_shard_size: int | str = "5GB",
+        **options: Any,
+    ) -> ExportReport:
+        """Write the model as a Hugging Face directory (sharded safetensors, index, the
+        model's ``config.json`` and ``generation_config.json`` where it has them) that
+        ``transformers`` ``from_pretrained`` loads, from any layout (dp, tp, pp, ZeRO 0-3,
+        HSDP): tp pieces joined, vocabulary padding cut, parameters at master precision. Call
+        on every rank; the first rank writes. Files are written atomically (temp names, fsync,
+        rename), and no rank holds more than one output tensor at a time.
+
+        Args:
+            out_dir: the directory (created; an earlier export there is replaced).
+            max_shard_size: bytes per weights file (``"5GB"``, ``"500MB"`` or an int).
+            options: ``config=`` / ``generation_config=`` (default: the model's own),
+                ``tokenizer_dir=`` (tokenizer files copied alongside), ``dtype=`` (floating
+                tensors cast to it), ``names=`` (pipeline names -> the plain model's, default:
+                those ``shardwise.parallelize`` recorded), and for a peft LoRA model
+                ``adapter_only=True`` (``adapter_model.safetensors`` +
+                ``adapter_config.json`` for ``PeftModel.from_pretrained``) or ``merge=True``
+                (the base model with the adapter folded in), ``adapter_name=``.
+
+        Returns:
+            What was written (names in order, this rank's peak bytes of output tensors held).
+
+        Communicates: per output tensor, its gathers on the owning stage (one all_gather over
+        the ZeRO shard group, one per tp split axis) and, with a pipeline, one send to the
+        writer; one all_gather_object over pp of the tensor lists; one broadcast_object of
+        the outcome.
+        """
+        return save_pretrained(self, out_dir, max_shard_size, **options)
 
     @contextmanager
     def gathered_parameters(
