@@ -45,3 +45,14 @@ def test_pp2_llama(tmp_path, world, stage):
     results = run_on_ranks(world, ec.export_pp, stage, str(tmp_path), timeout_s=300)
     _bounded(results)
     assert all(r["peak"] > 0 for r in results)  # every stage gathered tensors it owns
+
+
+@pytest.mark.parametrize("world,tp", [(2, 1), (4, 2)])
+def test_pipeline_ranks_hold_their_stage_only(world, tp):
+    # the GPT recipe (as `shardwise train --pp` applies it): after the caller drops the GPT,
+    # each rank's live parameters are its stage's own
+    results = run_on_ranks(world, ec.stage_only_bytes, 2, tp, timeout_s=300)
+    for r in results:
+        assert 0 < r["live"] < r["whole"] // tp
+    # the tied embedding/head lives on both stages (each uses it), nothing else is shared
+    assert all(r["tied"] == ["tok_emb"] for r in results)
