@@ -189,3 +189,37 @@ def stage_only_bytes(pp: int, tp: int) -> dict:
         "tied": sorted(par.module.tied.keys()),
         "pp_rank": mesh.rank(Axis.PP),
     }
+
+
+def export_lora(stage: int, out: str) -> dict:
+    """A peft LoRA Llama at dp over every rank: the adapter reloads into the base with
+    ``PeftModel.from_pretrained``, the merged model with ``from_pretrained``; same logits."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = get_peft_model(hf_model("llama"), lora)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    engine = shardwise.initialize(model, opt, shardwise.Config(zero_stage=stage))
+    x = _tokens()
+    _one_step(engine, x)
+    with torch.no_grad():
+        want = engine(input_ids=x).logits
+    adapter, merged = Path(out) / "adapter", Path(out) / "merged"
+    report = engine.save_pretrained(adapter, adapter_only=True)
+    merged_report = engine.save_pretrained(merged, SHARD, merge=True)
+    world = shardwise.comm.resolve(None)
+    if world.rank == 0:
+        base = hf_model("llama")  # the same seed: the base weights the adapter was trained on
+        with torch.no_grad():
+            got = PeftModel.from_pretrained(base, adapter).eval()(x).logits
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        assert sorted(p.name for p in adapter.iterdir()) == [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        ]
+        with torch.no_grad():
+            got = AutoModelForCausalLM.from_pretrained(merged).float().eval()(x).logits
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    shardwise.comm.barrier(group=world)
+    return {"adapter": report.tensors, "merged": merged_report.tensors}

@@ -56,3 +56,13 @@ def test_pipeline_ranks_hold_their_stage_only(world, tp):
         assert 0 < r["live"] < r["whole"] // tp
     # the tied embedding/head lives on both stages (each uses it), nothing else is shared
     assert all(r["tied"] == ["tok_emb"] for r in results)
+
+
+def test_lora_adapter_and_merged(tmp_path):
+    pytest.importorskip("peft")
+    results = run_on_ranks(2, ec.export_lora, 3, str(tmp_path), timeout_s=300)
+    adapter = results[0]["adapter"]
+    assert adapter and all(".lora_A.weight" in n or ".lora_B.weight" in n for n in adapter)
+    # 2 layers x (q, v) x (A, B)
+    assert len(adapter) == 8
+    assert not any("lora" in n or "base_layer" in n for n in results[0]["merged"])
