@@ -223,3 +223,27 @@ def export_lora(stage: int, out: str) -> dict:
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     shardwise.comm.barrier(group=world)
     return {"adapter": report.tensors, "merged": merged_report.tensors}
+
+
+def checkpoint_dp_tp(out: str) -> torch.Tensor:
+    """dp2 x tp2 Llama at ZeRO-1, one step, then a sharded checkpoint and the model's
+    config.json under ``out``; returns the engine's logits."""
+    mesh = Mesh(dp=2, tp=2)
+    model = hf_model("llama")
+    tp = tp_parallelize(model, mesh, plans.llama.tp_plan())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = shardwise.initialize(
+        model, opt, shardwise.Config(zero_stage=1), group=mesh, placements=tp.placements
+    )
+    x = _tokens()
+    _one_step(engine, x)
+    with torch.no_grad():
+        want = engine(x).logits
+    engine.save(Path(out) / "ckpt")
+    if shardwise.comm.resolve(None).rank == 0:
+        model.config.save_pretrained(Path(out) / "src")
+    return want
+
+
+def spec_bytes(spec) -> int:
+    return int(torch.Size(spec.shape).numel()) * spec.dtype.itemsize

@@ -66,3 +66,31 @@ def test_lora_adapter_and_merged(tmp_path):
     # 2 layers x (q, v) x (A, B)
     assert len(adapter) == 8
     assert not any("lora" in n or "base_layer" in n for n in results[0]["merged"])
+
+
+def test_checkpoint_export_hf_cli(tmp_path):
+    import subprocess
+    import sys
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.hf.checkpoint_export import export_checkpoint
+    from shardwise.hf.stream_file import HeldBytes
+
+    want = run_on_ranks(4, ec.checkpoint_dp_tp, str(tmp_path), timeout_s=300)[0]
+    out = tmp_path / "hf"
+    cmd = [sys.executable, "-m", "shardwise.cli.main", "checkpoint", "export"]
+    cmd += [str(tmp_path / "ckpt"), "--hf", str(out), "--config", str(tmp_path / "src")]
+    done = subprocess.run([*cmd, "--max-shard-size", "12KB"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "file(s) to" in done.stdout
+    model = AutoModelForCausalLM.from_pretrained(out).float().eval()
+    with torch.no_grad():
+        got = model(ec._tokens()).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # streamed: one tensor alive at a time, never more than the largest file
+    held = HeldBytes()
+    plan = export_checkpoint(tmp_path / "ckpt", tmp_path / "again", ec.SHARD, held=held)
+    largest = max(sum(ec.spec_bytes(t) for t in specs) for _, specs in plan.files)
+    assert 0 < held.peak <= max(ec.spec_bytes(t) for _, s in plan.files for t in s) <= largest

@@ -16,7 +16,6 @@ peft LoRA models: ``adapter_only`` writes the adapter (``PeftModel.from_pretrain
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +39,7 @@ from shardwise.hf import (
 )
 from shardwise.hf.model_dir import CONFIG_NAME, GENERATION_CONFIG_NAME
 from shardwise.hf.side_files import ConfigLike, config_dict, json_bytes, tokenizer_file_names
+from shardwise.hf.stream_file import HeldBytes
 from shardwise.mesh import AXIS_ORDER, Axis, Mesh
 from shardwise.parallel.pipeline.stage import PipelineModule
 from shardwise.zero.flat_param import FlatParam
@@ -70,24 +70,6 @@ class ExportReport:
     peak_held_bytes: int = 0
     """This rank's most bytes of output tensors alive at once during the export (storage of
     each gathered tensor, counted until it is freed)."""
-
-
-class _Held:
-    """Bytes of produced tensors still alive, and their peak (weakref finalizers)."""
-
-    def __init__(self) -> None:
-        self.now = 0
-        self.peak = 0
-
-    def track(self, t: torch.Tensor) -> torch.Tensor:
-        size = t.untyped_storage().nbytes()
-        self.now += size
-        self.peak = max(self.peak, self.now)
-        weakref.finalize(t, self._drop, size)
-        return t
-
-    def _drop(self, size: int) -> None:
-        self.now -= size
 
 
 @dataclass(frozen=True)
@@ -128,7 +110,7 @@ class _Exporter:
         coords = [] if self.mesh is None else [self.mesh.rank(a) for a in AXIS_ORDER]
         assert not self.is_writer or not any(coords), "the first rank is at coordinate 0"
         self.writer_line = all(c == 0 for a, c in zip(AXIS_ORDER, coords) if a != Axis.PP)
-        self.held = _Held()
+        self.held = HeldBytes()
 
     def _spec(self, name: str, t: torch.Tensor) -> TensorSpec:
         where = self.engine.placements.get(t)
