@@ -77,11 +77,13 @@ def _check(engine, out: Path, want: torch.Tensor, x: torch.Tensor, **options) ->
     return result
 
 
-def export_dp(kind: str, stage: int, out: str) -> dict:
-    """Data parallel over every rank at ZeRO ``stage``, after one step."""
+def export_dp(kind: str, stage: int, out: str, replicas: int = 1) -> dict:
+    """Data parallel over every rank at ZeRO ``stage`` (``replicas`` > 1: hierarchical
+    sharding, shards in groups of world / replicas), after one step."""
     model = hf_model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = shardwise.initialize(model, opt, shardwise.Config(zero_stage=stage))
+    group = Mesh(dp=-1, dp_replicate=replicas) if replicas > 1 else None
+    engine = shardwise.initialize(model, opt, shardwise.Config(zero_stage=stage), group=group)
     x = _tokens()
     _one_step(engine, x)
     with torch.no_grad():

@@ -32,6 +32,12 @@ def test_dp2_zero3(tmp_path, kind):
     _bounded(results)
 
 
+def test_hsdp_zero3(tmp_path):
+    # 2 replicas x 2 shards: each parameter gathered within its shard group
+    results = run_on_ranks(4, ec.export_dp, "llama", 3, str(tmp_path), 2, timeout_s=300)
+    _bounded(results)
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_dp2_tp2_llama(tmp_path, stage):
     # tp pieces joined and the vocabulary padding (37 over tp2) cut
