@@ -3,6 +3,7 @@
     shardwise checkpoint inspect PATH              # summary, engine settings, verification
     shardwise checkpoint verify PATH               # exit 0 when intact, 1 (one line) when not
     shardwise checkpoint export PATH OUT.safetensors | OUT_DIR/
+    shardwise checkpoint export PATH --hf DIR [--config CONFIG] [--max-shard-size 5GB]
     shardwise checkpoint retire ROOT STEP [--delete]   # set a step aside (or delete it)
 
 PATH is a checkpoint root (its latest committed step) or a ``step-N`` directory. ``inspect``
@@ -16,6 +17,7 @@ import os
 import sys
 from pathlib import Path
 
+from shardwise.bytesize import parse_bytes
 from shardwise.checkpoint import (
     CheckpointError,
     delete_checkpoint,
@@ -25,6 +27,9 @@ from shardwise.checkpoint import (
 )
 from shardwise.checkpoint.tools import export_consolidated
 from shardwise.engine.weights import describe
+from shardwise.hf.checkpoint_export import export_checkpoint
+from shardwise.hf.errors import WeightsError
+from shardwise.hf.model_dir import CONFIG_NAME, GENERATION_CONFIG_NAME
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -52,7 +57,52 @@ def _export_target(out: str) -> Path:
     return target
 
 
+def _config_files(given: Path | None) -> tuple[Path | None, Path | None]:
+    """``--config``: a ``config.json`` file, or a model directory holding it (and maybe a
+    ``generation_config.json``)."""
+    if given is None or not given.is_dir():
+        return given, None
+    generation = given / GENERATION_CONFIG_NAME
+    return given / CONFIG_NAME, generation if generation.is_file() else None
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    config, generation = _config_files(args.config)
+    for what, p in (("--config", config), ("--tokenizer", args.tokenizer)):
+        if p is not None and not p.exists():
+            print(f"error: {what} {p} does not exist", file=sys.stderr)
+            return 2
+    try:
+        parse_bytes(args.max_shard_size)
+    except ValueError as exc:
+        print(f"error: --max-shard-size: {exc}", file=sys.stderr)
+        return 2
+    try:
+        plan = export_checkpoint(
+            args.path,
+            args.hf,
+            args.max_shard_size,
+            config=config,
+            generation_config=generation,
+            tokenizer_dir=args.tokenizer,
+        )
+    except (CheckpointError, WeightsError, ValueError, OSError) as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        return 1
+    note = "" if config is not None else " (no config.json: give --config for from_pretrained)"
+    print(
+        f"exported {len(plan.weight_map)} tensors ({plan.total_size} bytes) in "
+        f"{len(plan.files)} file(s) to {args.hf}{note}"
+    )
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
+    if (args.out is None) == (args.hf is None):
+        print("error: give either OUT (one safetensors file) or --hf DIR", file=sys.stderr)
+        return 2
+    if args.hf is not None:
+        return _export_hf(args)
     target = _export_target(args.out)
     if not target.parent.is_dir():
         print(
@@ -110,8 +160,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("path", type=Path)
     c.add_argument(
         "out",
+        nargs="?",
         help="output file (e.g. model.safetensors) or a directory to write model.safetensors in",
     )
+    c.add_argument(
+        "--hf",
+        type=Path,
+        metavar="DIR",
+        help="write a Hugging Face model directory instead (sharded safetensors + index, "
+        "tensor by tensor) that transformers' from_pretrained loads",
+    )
+    c.add_argument(
+        "--max-shard-size", default="5GB", help="with --hf: bytes per weights file (5GB)"
+    )
+    c.add_argument(
+        "--config",
+        type=Path,
+        help="with --hf: the model's config.json (or a model directory holding it) to copy",
+    )
+    c.add_argument("--tokenizer", type=Path, help="with --hf: a directory of tokenizer files")
     c.set_defaults(func=_export)
     c = cmds.add_parser(
         "retire",

@@ -1,6 +1,7 @@
-"""An engine's checkpoint methods (``save``, ``load``, ``resume``...), each handing over to
-its ``EngineCheckpoints`` (``shardwise.engine.checkpoint``), which reads what it saves from the
-engine's one ``checkpoint_state()`` value."""
+"""An engine's saving methods: checkpoints (``save``, ``load``, ``resume``...), each handing
+over to its ``EngineCheckpoints``, which reads what it saves from the engine's one
+``checkpoint_state()`` value; and the Hugging Face export (``save_pretrained``,
+``shardwise.engine.export``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from shardwise.checkpoint.async_writer import AsyncCheckpointWriter
 from shardwise.engine.checkpoint import load_engine, resume_engine, save_engine
+from shardwise.engine.export import ExportableEngine, ExportReport, save_pretrained
 from shardwise.engine.run_state import CheckpointState, Stateful
 from shardwise.engine.weights import FullStateTarget, load_pretrained
 
@@ -179,3 +181,38 @@ class CheckpointMethods:
         on every rank right after ``initialize``. Optimizer states are untouched (empty).
         Communicates nothing."""
         self.checkpoints.load_full_state(path_or_state_dict)
+
+    def save_pretrained(
+        self,
+        out_dir: str | Path,
+        max_shard_size: int | str = "5GB",
+        **options: Any,
+    ) -> ExportReport:
+        """Write the model as a Hugging Face directory (sharded safetensors, index, the
+        model's ``config.json`` and ``generation_config.json`` where it has them) that
+        ``transformers`` ``from_pretrained`` loads, from any layout (dp, tp, pp, ZeRO 0-3,
+        HSDP): tp pieces joined, vocabulary padding cut, parameters at master precision. Call
+        on every rank; the first rank writes. Files are written atomically (temp names, fsync,
+        rename), and no rank holds more than one output tensor at a time.
+
+        Args:
+            out_dir: the directory (created; an earlier export there is replaced).
+            max_shard_size: bytes per weights file (``"5GB"``, ``"500MB"`` or an int).
+            options: ``config=`` / ``generation_config=`` (default: the model's own),
+                ``tokenizer_dir=`` (tokenizer files copied alongside), ``dtype=`` (floating
+                tensors cast to it), ``names=`` (pipeline names -> the plain model's, default:
+                those ``shardwise.parallelize`` recorded), and for a peft LoRA model
+                ``adapter_only=True`` (``adapter_model.safetensors`` +
+                ``adapter_config.json`` for ``PeftModel.from_pretrained``) or ``merge=True``
+                (the base model with the adapter folded in), ``adapter_name=``.
+
+        Returns:
+            What was written (names in order, this rank's peak bytes of output tensors held).
+
+        Communicates: per output tensor, its gathers on the owning stage (one all_gather over
+        the ZeRO shard group, one per tp split axis) and, with a pipeline, one send to the
+        writer; one all_gather_object over pp of the tensor lists; one broadcast_object of
+        the outcome.
+        """
+        engine = cast(ExportableEngine, self)  # an Engine is one
+        return save_pretrained(engine, out_dir, max_shard_size, **options)

@@ -8,6 +8,7 @@ the caller renames the file into place once every file of the set is complete.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -19,6 +20,27 @@ from shardwise.hf.names import TensorSpec
 
 Producer = Callable[[str], torch.Tensor]
 """Returns the full tensor of a name (for a sharded model: gathered for this one call)."""
+
+
+class HeldBytes:
+    """Bytes of the tensors handed to :meth:`track` that are still alive, and their peak: how
+    an exporter shows it never held more than one output tensor (plus its pieces) at a time.
+    Each tensor's storage counts until the tensor is freed (a weakref finalizer)."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.peak = 0
+
+    def track(self, t: torch.Tensor) -> torch.Tensor:
+        """Count ``t`` from now until it is freed; returns it."""
+        size = t.untyped_storage().nbytes()
+        self.now += size
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(t, self._drop, size)
+        return t
+
+    def _drop(self, size: int) -> None:
+        self.now -= size
 
 
 def temp_name(path: Path) -> Path:

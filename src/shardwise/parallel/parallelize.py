@@ -103,7 +103,12 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Parallelize
         entries = list(split.layers(model))
         names = pipeline_names(model, entries)
         module = PipelineModule(
-            entries, split.loss_fn, mesh, split.partition, virtual_stages=split.virtual_stages
+            entries,
+            split.loss_fn,
+            mesh,
+            split.partition,
+            virtual_stages=split.virtual_stages,
+            plain_names=pipeline_names(model, entries, buffers=True),
         )
     elif mesh.pp_size > 1:
         raise ValueError(
@@ -121,10 +126,15 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Parallelize
     return Parallelized(module, mesh, placements, tensor, names)
 
 
-def pipeline_names(model: nn.Module, entries: Sequence[Entry]) -> dict[str, str]:
+def pipeline_names(
+    model: nn.Module, entries: Sequence[Entry], buffers: bool = False
+) -> dict[str, str]:
     """``PipelineModule`` parameter names of ``entries`` (``layers.{i}.*`` by index,
-    ``tied.{key}.*``) -> ``model``'s own names, for entries made of ``model``'s modules."""
+    ``tied.{key}.*``) -> ``model``'s own names, for entries made of ``model``'s modules;
+    ``buffers``: its buffers' names too."""
     own = {id(p): name for name, p in model.named_parameters()}
+    if buffers:
+        own.update({id(b): name for name, b in model.named_buffers()})
     out: dict[str, str] = {}
     for i, entry in enumerate(entries):
         prefix, module = (
@@ -134,7 +144,8 @@ def pipeline_names(model: nn.Module, entries: Sequence[Entry]) -> dict[str, str]
         )
         if not isinstance(module, nn.Module):
             continue  # built from a spec on its stage: not one of the model's modules
-        for n, p in module.named_parameters():
+        tensors = [*module.named_parameters(), *(module.named_buffers() if buffers else ())]
+        for n, p in tensors:
             if id(p) in own:
                 out[f"{prefix}.{n}"] = own[id(p)]
     return out

@@ -8,7 +8,7 @@ head, whose copies on different stages stay bitwise equal).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -153,7 +153,7 @@ def first_indices(entries: Sequence[Entry]) -> dict[str, int]:
 
 
 def run_entries(
-    entries: Sequence[Entry],
+    entries: Mapping[int, Entry] | Sequence[Entry],
     indices: range,
     layers: nn.ModuleDict,
     tied: nn.ModuleDict,
@@ -184,6 +184,11 @@ class PipelineModule(nn.Module):
         virtual_stages: chunks per rank (for the interleaved schedule).
         seed: build layer ``i`` from ``LayerSpec`` under seed ``seed + i`` (a tied module under
             its first index) so the split model starts as the whole one would.
+        plain_names: this module's parameter and buffer names -> the unsplit model's
+            (``shardwise.parallelize`` records them), for exports under the model's own names.
+
+    Only this rank's entries stay referenced: once the caller drops the whole model, the
+    layers of other stages (and tied modules this rank does not use) are freed.
 
     Communicates at construction: forms one group per tied key and (dp, tp) coordinate (all
     ranks, collectively) and broadcasts each tied module from its first holder.
@@ -198,6 +203,7 @@ class PipelineModule(nn.Module):
         *,
         virtual_stages: int = 1,
         seed: int | None = None,
+        plain_names: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__()
         entries = check_entries(layers)
@@ -209,13 +215,17 @@ class PipelineModule(nn.Module):
         self.num_stages = self.pp_size * virtual_stages
         self.bounds = partition_layers(layer_parameter_counts(entries), self.num_stages, partition)
         self.stage_ids = list(range(self.pp_rank, self.num_stages, self.pp_size))
-        self._entries = entries
+        self.plain_names: dict[str, str] = dict(plain_names or {})
+        # Only this rank's entries are kept: another stage's modules (and a tied module this
+        # rank does not use) must not stay reachable from here, or every rank would hold them.
+        mine = [i for s in self.stage_ids for i in range(self.bounds[s], self.bounds[s + 1])]
+        self._entries: dict[int, Entry] = {i: entries[i] for i in mine}
+        self._tied_keys = [e.key if isinstance(e, Tied) else None for e in entries]
         self.layers = nn.ModuleDict()
         self.tied = nn.ModuleDict()
         self._tied_first = first_indices(entries)
-        for stage in self.stage_ids:
-            for i in range(self.bounds[stage], self.bounds[stage + 1]):
-                build_entry(entries, i, self.layers, self.tied, self._tied_first, seed)
+        for i in mine:
+            build_entry(entries, i, self.layers, self.tied, self._tied_first, seed)
         self._tied_groups = self._form_tied_groups()
         self._broadcast_tied()
 
@@ -224,11 +234,7 @@ class PipelineModule(nn.Module):
 
     def tied_holders(self, key: str) -> list[int]:
         """pp ranks holding ``key``, lowest first (the first holds the saved copy)."""
-        stages = {
-            self.stage_of_layer(i)
-            for i, e in enumerate(self._entries)
-            if isinstance(e, Tied) and e.key == key
-        }
+        stages = {self.stage_of_layer(i) for i, k in enumerate(self._tied_keys) if k == key}
         return sorted({s % self.pp_size for s in stages})
 
     def _form_tied_groups(self) -> dict[str, comm.Group]:
