@@ -277,3 +277,22 @@ def _inplace_reduce_scatter_task():
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_reduce_scatter_into_own_chunk(world):
     run_on_ranks(world, _inplace_reduce_scatter_task)
+
+
+def _all_to_all_task():
+    w, r = shardwise.world_size(), shardwise.rank()
+    xs = _inputs(w, (2 * w, 3))
+    got = shardwise.all_to_all(xs[r])
+    assert torch.equal(got, torch.cat([x.chunk(w)[r] for x in xs]))
+    # a group in an order other than torch's gets its chunks in group-rank order
+    g = comm.new_group(list(range(w))[::-1])
+    got = comm.all_to_all(xs[r], group=g)
+    mine = g.rank
+    assert torch.equal(got, torch.cat([xs[w - 1 - i].chunk(w)[mine] for i in range(w)]))
+    return shardwise.comm_stats()["all_to_all"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_to_all(world):
+    stats = run_on_ranks(world, _all_to_all_task)
+    assert all(s["calls"] == 2 and s["bytes"] == 2 * (2 * world * 3 * 4) for s in stats)
