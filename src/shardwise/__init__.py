@@ -51,7 +51,7 @@ from shardwise.config import Config
 from shardwise.dist import DistInitError
 from shardwise.engine import Engine, initialize
 from shardwise.mesh import Axis, Mesh
-from shardwise.parallel import Parallelized, ParallelPlan, PipelineSplit, parallelize
+from shardwise.parallel import ContextPlan, Parallelized, ParallelPlan, PipelineSplit, parallelize
 from shardwise.recompute import checkpoint, checkpoint_sequential
 from shardwise.seeding import seed_all
 from shardwise.topology import discover
@@ -73,6 +73,7 @@ __all__ = [
     "Engine",
     "Group",
     "Mesh",
+    "ContextPlan",
     "ParallelPlan",
     "Parallelized",
     "PipelineSplit",

@@ -27,9 +27,11 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 def resolve_group(group: Group | Mesh | None) -> Group:
     """The data-parallel group ZeRO shards over: a Mesh's dp axis (its shard groups under
-    hierarchical sharding, ``Mesh(dp_replicate=, dp_shard=)``), a Group, or the world."""
+    hierarchical sharding, ``Mesh(dp_replicate=, dp_shard=)``) with its cp axis, a Group, or the
+    world. cp ranks hold the same parameters and train on different tokens of the same
+    sequences: for ZeRO they are data-parallel ranks (gradients averaged, shards spread)."""
     if isinstance(group, Mesh):
-        return group.group(Axis.DP_SHARD)
+        return group.group(Axis.DP_SHARD, Axis.CP)
     return comm.resolve(group)
 
 
@@ -42,9 +44,9 @@ def resolve_replicate(group: Group | Mesh | None) -> Group | None:
 
 
 def resolve_dp(group: Group | Mesh | None) -> Group:
-    """Every data-parallel rank (the shard groups and their replicas together)."""
+    """Every data-parallel rank (the shard groups and their replicas together, cp included)."""
     if isinstance(group, Mesh):
-        return group.group(Axis.DP)
+        return group.group(Axis.DP, Axis.CP)
     return comm.resolve(group)
 
 

@@ -105,9 +105,19 @@ class ContextParallel:
         )
 
     def loss(self, local_sum: torch.Tensor, local_count: torch.Tensor | int) -> torch.Tensor:
-        """The mean over every cp rank's tokens, from this rank's loss sum and token count.
-        Communicates: one all_reduce of 16 bytes (sum and count)."""
-        return _ContextMean.apply(local_sum, torch.as_tensor(local_count), self.group)
+        """The mean over every cp rank's tokens (``context_mean``)."""
+        return context_mean(local_sum, local_count, self.group)
+
+
+def context_mean(
+    local_sum: torch.Tensor, local_count: torch.Tensor | int, group: Group
+) -> torch.Tensor:
+    """The mean of a per-token loss over every token of every cp rank of ``group``, from this
+    rank's sum and count of counted tokens: the same value on every cp rank, and gradients such
+    that the engine's average over the dp and cp ranks is the whole sequence's gradient.
+    Communicates: one all_reduce of 16 bytes (sum and count)."""
+    out: torch.Tensor = _ContextMean.apply(local_sum, torch.as_tensor(local_count), group)
+    return out
 
 
 class _ContextMean(torch.autograd.Function):
