@@ -1,6 +1,6 @@
 """Parallelism applied to a model from outside, in one order: pipeline split (``pipeline``),
-tensor and sequence parallelism (``tensor``), context parallelism (``context``), recompute; ``parallelize`` applies a
-``ParallelPlan`` and returns the model with one ``Placement`` per parameter (``placement``:
+tensor and sequence parallelism (``tensor``), context parallelism (``context``), recompute;
+``parallelize`` applies a ``ParallelPlan`` and returns the model with one ``Placement`` per parameter (``placement``:
 ``Shard``, ``Replicate`` or ``StageOwned`` per mesh axis), which ``shardwise.initialize`` takes.
 Ready-made plans: ``plans.gpt``, ``plans.llama``."""
 
@@ -30,6 +30,7 @@ __all__ = [
     "Replicate",
     "Shard",
     "StageOwned",
+    "context",
     "parallelize",
     "pipeline",
     "pipeline_names",
