@@ -1,7 +1,8 @@
 """Parallelism applied to a model from outside, in one order: pipeline split (``pipeline``),
 tensor and sequence parallelism (``tensor``), context parallelism (``context``), recompute;
-``parallelize`` applies a ``ParallelPlan`` and returns the model with one ``Placement`` per parameter (``placement``:
-``Shard``, ``Replicate`` or ``StageOwned`` per mesh axis), which ``shardwise.initialize`` takes.
+``parallelize`` applies a ``ParallelPlan`` and returns the model with one ``Placement`` per
+parameter (``placement``: ``Shard``, ``Replicate`` or ``StageOwned`` per mesh axis), which
+``shardwise.initialize`` takes.
 Ready-made plans: ``plans.gpt``, ``plans.llama``."""
 
 from shardwise.parallel import (
