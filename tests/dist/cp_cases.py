@@ -144,3 +144,57 @@ def gpt_cp_parity(
     for name in want:
         _close(got[name], want[name], f"{name} after {steps} steps")
     return {"sent": sent, "losses": ref_losses}
+
+
+def llama_cp_parity(cp_size: int, method: str, steps: int = 5) -> dict:
+    """HF Llama (grouped-query attention, right-padded batch with an attention mask) at cp vs
+    one process: losses each step and every weight after ``steps`` AdamW steps."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardwise.parallel.plans import llama
+
+    mesh = shardwise.Mesh(cp=cp_size)
+    seq = 4 * mesh.world_size
+    cfg = LlamaConfig(
+        vocab_size=37,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=seq,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).float()
+    ref = copy.deepcopy(model)
+    data = lm_batches(steps, 3, seq)
+    masks = [(y != -100).long() for _, y in data]  # the padded tail is masked out too
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    ref_losses = []
+    for (x, y), m in zip(data, masks):
+        logits = ref(input_ids=x, attention_mask=m).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(float(loss.detach()))
+    plan = shardwise.ParallelPlan(context=llama.context_plan(method))
+    par = shardwise.parallelize(model, mesh, plan)
+    assert par.context is not None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = shardwise.initialize(par, opt, shardwise.Config(zero_stage=1))
+    loss_of = llama.loss(mesh)
+    for step, ((x, y), m) in enumerate(zip(data, masks)):
+        xs, ys, ms = par.context.split(x, y, attention_mask=m)
+        loss = loss_of(engine(input_ids=xs, attention_mask=ms).logits, ys)
+        engine.backward(loss)
+        engine.step()
+        _close(loss.detach(), torch.tensor(ref_losses[step]), f"loss at step {step}")
+    got, want = engine.state_dict(), ref.state_dict()
+    for name in want:
+        _close(got[name], want[name], f"{name} after {steps} steps")
+    return {"losses": ref_losses}
