@@ -40,3 +40,19 @@ def test_gpt_dp2_cp2_zero_matches_one_process(stage, method):
     want = _ring_bytes(2, 4) if method == "ring" else _all_to_all_bytes(2, 4)
     op = "send" if method == "ring" else "all_to_all"
     assert all(r["sent"].get(op) == want for r in out)
+
+
+@pytest.mark.parametrize("method", ["ring", "all_to_all"])
+def test_gpt_cp2_tp2_matches_one_process(method):
+    # heads split over tp first (4 -> 2 per rank), then the sequence over cp
+    out = run_on_ranks(4, cc.gpt_cp_parity, 1, 2, 0, method, 2, timeout_s=600)
+    half = _ring_bytes(2, 4) // 2 if method == "ring" else _all_to_all_bytes(2, 4) // 2
+    op = "send" if method == "ring" else "all_to_all"
+    assert all(r["sent"].get(op) == half for r in out)  # this rank's heads only
+
+
+def test_gpt_cp2_with_activation_checkpointing_matches_one_process():
+    out = run_on_ranks(2, cc.gpt_cp_parity, 1, 2, 1, "ring", 1, True, timeout_s=600)
+    # recompute reruns each block's forward: the forward's K/V blocks travel once more
+    fwd = _ring_bytes(2, 2) // 3
+    assert all(r["sent"] == {"send": _ring_bytes(2, 2) + fwd} for r in out)
