@@ -28,6 +28,7 @@ from shardwise.comm import (
     all_gather_list,
     all_reduce,
     all_reduce_coalesced,
+    all_to_all,
     broadcast,
     comm_stats,
     new_group,
@@ -50,7 +51,7 @@ from shardwise.config import Config
 from shardwise.dist import DistInitError
 from shardwise.engine import Engine, deferred_init, initialize, load_pretrained
 from shardwise.mesh import Axis, Mesh
-from shardwise.parallel import Parallelized, ParallelPlan, PipelineSplit, parallelize
+from shardwise.parallel import ContextPlan, Parallelized, ParallelPlan, PipelineSplit, parallelize
 from shardwise.recompute import checkpoint, checkpoint_sequential
 from shardwise.seeding import seed_all
 from shardwise.topology import discover
@@ -67,6 +68,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveTimeoutError",
     "Config",
+    "ContextPlan",
     "DesyncError",
     "DistInitError",
     "Engine",
@@ -82,6 +84,7 @@ __all__ = [
     "all_gather_list",
     "all_reduce",
     "all_reduce_coalesced",
+    "all_to_all",
     "barrier",
     "broadcast",
     "checkpoint",

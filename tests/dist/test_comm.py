@@ -26,8 +26,12 @@ def _all_reduce_task(shape, op):
     t = xs[r].clone()
     shardwise.all_reduce(t, op=op)
     stacked = torch.stack(xs)
-    ref = {"sum": stacked.sum(0), "avg": stacked.mean(0), "max": stacked.amax(0),
-           "min": stacked.amin(0)}[op]
+    ref = {
+        "sum": stacked.sum(0),
+        "avg": stacked.mean(0),
+        "max": stacked.amax(0),
+        "min": stacked.amin(0),
+    }[op]
     torch.testing.assert_close(t, ref, rtol=1e-6, atol=1e-6)
     return shardwise.comm_stats()["all_reduce"]
 
@@ -96,8 +100,12 @@ def test_reduce_scatter_uneven(world, shape):
         numel *= d
     for op in ("sum", "avg"):
         for s in run_on_ranks(world, _reduce_scatter_task, shape, op):
-            assert s == {"calls": 1, "bytes": numel * 4, "seconds": s["seconds"],
-                         "inter_node_bytes": 0}
+            assert s == {
+                "calls": 1,
+                "bytes": numel * 4,
+                "seconds": s["seconds"],
+                "inter_node_bytes": 0,
+            }
 
 
 def _send_recv_task():
@@ -269,11 +277,30 @@ def _inplace_reduce_scatter_task():
     w, r = shardwise.world_size(), shardwise.rank()
     xs = _inputs(w, (4 * w,))
     buf = xs[r].clone()
-    mine = buf[4 * r: 4 * r + 4]
+    mine = buf[4 * r : 4 * r + 4]
     shardwise.reduce_scatter(buf, op="avg", out=mine)
-    torch.testing.assert_close(mine, torch.stack(xs).mean(0)[4 * r: 4 * r + 4])
+    torch.testing.assert_close(mine, torch.stack(xs).mean(0)[4 * r : 4 * r + 4])
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_reduce_scatter_into_own_chunk(world):
     run_on_ranks(world, _inplace_reduce_scatter_task)
+
+
+def _all_to_all_task():
+    w, r = shardwise.world_size(), shardwise.rank()
+    xs = _inputs(w, (2 * w, 3))
+    got = shardwise.all_to_all(xs[r])
+    assert torch.equal(got, torch.cat([x.chunk(w)[r] for x in xs]))
+    # a group in an order other than torch's gets its chunks in group-rank order
+    g = comm.new_group(list(range(w))[::-1])
+    got = comm.all_to_all(xs[r], group=g)
+    mine = g.rank
+    assert torch.equal(got, torch.cat([xs[w - 1 - i].chunk(w)[mine] for i in range(w)]))
+    return shardwise.comm_stats()["all_to_all"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_to_all(world):
+    stats = run_on_ranks(world, _all_to_all_task)
+    assert all(s["calls"] == 2 and s["bytes"] == 2 * (2 * world * 3 * 4) for s in stats)

@@ -20,6 +20,7 @@ from shardwise.comm.signatures import (
     AllGatherList,
     AllReduce,
     AllReduceCoalesced,
+    AllToAll,
     Barrier,
     Broadcast,
     GroupLike,
@@ -58,6 +59,7 @@ broadcast: Broadcast = on_current_world(ops.broadcast)
 all_gather: AllGather = on_current_world(ops.all_gather)
 all_gather_list: AllGatherList = on_current_world(ops.all_gather_list)
 reduce_scatter: ReduceScatter = on_current_world(ops.reduce_scatter)
+all_to_all: AllToAll = on_current_world(ops.all_to_all)
 send: Send = on_current_world(ops.send)
 recv: Recv = on_current_world(ops.recv)
 barrier: Barrier = on_current_world(ops.barrier)

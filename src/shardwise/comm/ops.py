@@ -36,6 +36,7 @@ from shardwise.comm.signatures import (
     AllGatherList,
     AllReduce,
     AllReduceCoalesced,
+    AllToAll,
     Barrier,
     Broadcast,
     ReduceScatter,
@@ -49,6 +50,7 @@ __all__ = [
     "all_gather_list",
     "all_reduce",
     "all_reduce_coalesced",
+    "all_to_all",
     "barrier",
     "broadcast",
     "chunk_sizes",
@@ -59,6 +61,7 @@ __all__ = [
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_to_all_single = dist.all_to_all_single
 
 
 def _all_reduce(
@@ -277,6 +280,44 @@ def _reduce_scatter(
     )
 
 
+def _all_to_all(
+    t: torch.Tensor, *, group: Group, async_op: bool = False
+) -> torch.Tensor | Handle[torch.Tensor]:
+    """Split ``t`` into ``group.size`` equal chunks along dim 0, send chunk i to group rank i and
+    return the chunks received, in group-rank order, concatenated along dim 0 (same shape as
+    ``t``). dim 0 must divide by the group size.
+
+    Communicates: all_to_all (payload: t's bytes; (p-1)/p of them leave this rank)."""
+    g = check_group(group, "all_to_all")
+    check_tensor(t, "t", "all_to_all")
+    if t.dim() == 0 or t.shape[0] % g.size:
+        raise ValueError(
+            f"all_to_all: dim 0 of shape {tuple(t.shape)} must divide by the group size {g.size}"
+        )
+    src = t.contiguous()
+    chunks = list(src.chunk(g.size))
+    out = torch.empty_like(src)
+    # torch orders chunks by its own rank order: stage them at their torch positions
+    order = sorted(range(g.size), key=g.torch_position)  # group rank at each torch position
+    staged = torch.cat([chunks[i] for i in order]) if g.permuted else src
+    target = torch.empty_like(src) if g.permuted else out
+
+    def issue() -> list[Any]:
+        return [_all_to_all_single(target, staged, group=g.pg, async_op=True)]
+
+    def finish() -> torch.Tensor:
+        if g.size == 1:
+            out.copy_(src)
+        elif g.permuted:
+            got = target.chunk(g.size)
+            for i in range(g.size):
+                out.chunk(g.size)[i].copy_(got[g.torch_position(i)])
+        return out
+
+    far = crossing.reduce_scatter(g, chunks)
+    return launch("all_to_all", g, [t], nbytes(t), issue, finish, async_op, inter_node_bytes=far)
+
+
 def _barrier(*, group: Group) -> None:
     """Wait for every rank of the group (gloo names the ranks that did not arrive)."""
     g = check_group(group, "barrier")
@@ -298,4 +339,5 @@ broadcast: Broadcast = publish(_broadcast, "broadcast")
 all_gather: AllGather = publish(_all_gather, "all_gather")
 all_gather_list: AllGatherList = publish(_all_gather_list, "all_gather_list")
 reduce_scatter: ReduceScatter = publish(_reduce_scatter, "reduce_scatter")
+all_to_all: AllToAll = publish(_all_to_all, "all_to_all")
 barrier: Barrier = publish(_barrier, "barrier")

@@ -146,6 +146,21 @@ class ReduceScatter(Protocol):
     ) -> Tensor | Handle[Tensor]: ...
 
 
+class AllToAll(Protocol):
+    @overload
+    def __call__(
+        self, t: Tensor, *, group: GroupLike = ..., async_op: Literal[False] = ...
+    ) -> Tensor: ...
+    @overload
+    def __call__(
+        self, t: Tensor, *, group: GroupLike = ..., async_op: Literal[True]
+    ) -> Handle[Tensor]: ...
+    @overload
+    def __call__(
+        self, t: Tensor, *, group: GroupLike = ..., async_op: bool
+    ) -> Tensor | Handle[Tensor]: ...
+
+
 class Send(Protocol):
     @overload
     def __call__(

@@ -26,9 +26,11 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 def resolve_group(group: Group | Mesh) -> Group:
     """The data-parallel group ZeRO shards over: a Mesh's dp axis (its shard groups under
-    hierarchical sharding, ``Mesh(dp_replicate=, dp_shard=)``), or the Group."""
+    hierarchical sharding, ``Mesh(dp_replicate=, dp_shard=)``) with its cp axis, or the
+    Group. cp ranks hold the same parameters and train on different tokens of the same
+    sequences: for ZeRO they are data-parallel ranks (gradients averaged, shards spread)."""
     if isinstance(group, Mesh):
-        return group.group(Axis.DP_SHARD)
+        return group.group(Axis.DP_SHARD, Axis.CP)
     return group
 
 
@@ -41,9 +43,9 @@ def resolve_replicate(group: Group | Mesh) -> Group | None:
 
 
 def resolve_dp(group: Group | Mesh) -> Group:
-    """Every data-parallel rank (the shard groups and their replicas together)."""
+    """Every data-parallel rank (the shard groups and their replicas together, cp included)."""
     if isinstance(group, Mesh):
-        return group.group(Axis.DP)
+        return group.group(Axis.DP, Axis.CP)
     return group
 
 

@@ -97,7 +97,8 @@ class EnginePlacements:
         for p in model.parameters():
             where = self.of(p)
             copies = [self.group(a) for a in where.copies]
-            copies = [g for g in copies if g.ranks != zero_group.ranks]
+            # copies inside ZeRO's group (its dp and cp axes): ZeRO's flat ranges say who writes
+            copies = [g for g in copies if not set(g.ranks) <= set(zero_group.ranks)]
             if where.shards or copies or not where.first_holder:
                 offsets, real = where.real_box()
                 writes = all(g.rank == 0 for g in copies) and where.first_holder

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from shardwise.mesh import Mesh
+from shardwise.parallel.context import ContextParallel, apply_context_parallel
 from shardwise.parallel.pipeline.stage import Entry, PipelineModule, Tied
 from shardwise.parallel.placement import Placement
 from shardwise.parallel.tensor.parallelize import TensorParallel
@@ -44,6 +45,16 @@ class PipelineSplit:
 
 
 @dataclass(frozen=True)
+class ContextPlan:
+    """Context parallelism over the mesh's cp axis: ``modules`` maps module-name patterns to
+    styles (``shardwise.parallel.context.STYLES``: the attention to make exact over cp, the
+    positions to make global); ``method``: ``"ring"`` or ``"all_to_all"``."""
+
+    modules: Mapping[str, str]
+    method: str = "ring"
+
+
+@dataclass(frozen=True)
 class ParallelPlan:
     """What ``parallelize`` applies, in this order.
 
@@ -51,6 +62,7 @@ class ParallelPlan:
     ``tensor``: a tensor-parallel plan ``{module-name pattern: style}`` over the tp axis, under
     the names of the model after the split (see ``shardwise.parallel.tensor.plan.STYLES``);
     ``sequence_parallel``: run its ``sequence`` modules on 1/tp of the sequence;
+    ``context``: context parallelism over the cp axis (needed when the mesh has cp > 1);
     ``recompute``: module class names or name patterns whose activations are recomputed in
     backward (``shardwise.recompute.apply_activation_checkpointing``)."""
 
@@ -58,6 +70,7 @@ class ParallelPlan:
     sequence_parallel: bool = False
     pipeline: PipelineSplit | None = None
     recompute: tuple[str, ...] = ()
+    context: ContextPlan | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,13 +82,15 @@ class Parallelized:
     engine adds the data-parallel and pipeline axes); ``tensor``: the tensor-parallel record
     (full state dicts, the tp dropout stream), or None; ``names``: a pipeline's parameter
     names -> the unsplit model's (``layers.3.attn.q_proj.weight`` -> ``blocks.1.attn...``),
-    empty without a pipeline."""
+    empty without a pipeline; ``context``: the cp record (``split`` the batch with it, take the
+    loss over every cp rank's tokens with its ``loss``), or None."""
 
     module: nn.Module
     mesh: Mesh
     placements: Mapping[str, Placement]
     tensor: TensorParallel | None = None
     names: Mapping[str, str] = field(default_factory=dict)
+    context: ContextParallel | None = None
 
     @property
     def pipeline(self) -> PipelineModule | None:
@@ -84,7 +99,8 @@ class Parallelized:
 
 def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Parallelized:
     """Apply ``plan`` to ``model`` over ``mesh``, in order: pipeline split (this pp rank keeps
-    its stages), tensor and sequence parallelism, recompute. Pass the result to
+    its stages), tensor and sequence parallelism, context parallelism, recompute. Pass the
+    result to
     ``shardwise.initialize``.
 
     Raises ``ValueError``/``TypeError`` naming the module or pattern for a plan that does not
@@ -120,10 +136,27 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Parallelize
         tensor = tensor_parallelize(module, mesh, plan.tensor, plan.sequence_parallel)
     elif plan.sequence_parallel:
         raise ValueError("sequence_parallel needs a tensor-parallel plan (ParallelPlan(tensor=))")
+    context = _context(module, mesh, plan)
     if plan.recompute:
         apply_activation_checkpointing(module, list(plan.recompute))
     placements = tensor.placements if tensor is not None else {}
-    return Parallelized(module, mesh, placements, tensor, names)
+    return Parallelized(module, mesh, placements, tensor, names, context)
+
+
+def _context(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> ContextParallel | None:
+    """The plan's context parallelism applied to ``module`` (cp holds no parameter shards:
+    nothing to place)."""
+    if plan.context is None:
+        if mesh.cp_size > 1:
+            raise ValueError(
+                f"the mesh has cp={mesh.cp_size} but the plan has no context parallelism: give "
+                "ParallelPlan(context=ContextPlan(...)) or a mesh with cp=1"
+            )
+        return None
+    unmatched: list[str] | None = [] if plan.pipeline is not None else None
+    return apply_context_parallel(
+        module, mesh, plan.context.modules, plan.context.method, unmatched
+    )
 
 
 def pipeline_names(

@@ -22,7 +22,8 @@ from torch import nn
 
 from shardwise.mesh import Axis, Mesh
 from shardwise.models.gpt import GPT, GPTConfig
-from shardwise.parallel.parallelize import ParallelPlan, PipelineSplit
+from shardwise.parallel.context.attention import context_mean
+from shardwise.parallel.parallelize import ContextPlan, ParallelPlan, PipelineSplit
 from shardwise.parallel.pipeline import LayerFn, Tied
 from shardwise.parallel.pipeline.stage import Entry
 from shardwise.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
@@ -112,14 +113,34 @@ def pipeline_layers(model: GPT, sequence_parallel_size: int = 1) -> list[Entry]:
     ]
 
 
+def context_plan(pipeline: bool = False, method: str = "ring") -> ContextPlan:
+    """Context parallelism for ``GPT``: each block's attention is exact over the cp axis (its
+    ``scaled_dot_product_attention`` call), and the position embedding takes global positions.
+    ``pipeline``: under the names of ``pipeline_layers``."""
+    if pipeline:
+        return ContextPlan({"layers.*.attn": "sdpa", "layers.1.pos_emb": "positions"}, method)
+    return ContextPlan({"blocks.*.attn": "sdpa", "pos_emb": "positions"}, method)
+
+
 def loss(cfg: GPTConfig, mesh: Mesh | None = None) -> Loss:
-    """The last pipeline stage's loss on its logits: cross entropy, vocab-parallel over the
-    mesh's tp axis when it has one."""
-    if mesh is None or mesh.tp_size == 1:
-        return lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-    group = mesh.group(Axis.TP)
-    return lambda logits, targets: vocab_parallel_cross_entropy(
-        logits, targets, group, vocab_size=cfg.vocab_size
+    """The loss on the GPT's logits (the last pipeline stage's, or the model's output): cross
+    entropy, vocab-parallel over the mesh's tp axis when it has one, averaged over every token
+    of every cp rank when the mesh has cp (``context_mean``); ``-100`` targets count nothing."""
+    cp = mesh.group(Axis.CP) if mesh is not None and mesh.cp_size > 1 else None
+    tp = mesh.group(Axis.TP) if mesh is not None and mesh.tp_size > 1 else None
+
+    def total(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+        if tp is not None:
+            return vocab_parallel_cross_entropy(
+                logits, targets, tp, vocab_size=cfg.vocab_size, reduction=reduction
+            )
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
+
+    if cp is None:
+        return lambda logits, targets: total(logits, targets, "mean")
+    group = cp
+    return lambda logits, targets: context_mean(
+        total(logits, targets, "sum"), (targets != -100).sum(), group
     )
 
 
@@ -130,13 +151,19 @@ def plan(
     sequence_parallel: bool = False,
     virtual_stages: int = 1,
     recompute: Sequence[str] = (),
+    cp_method: str = "ring",
 ) -> ParallelPlan:
     """The GPT's plan on ``mesh``: split into ``mesh.pp_size`` x ``virtual_stages`` pipeline
     stages balanced by parameters (when pp > 1), tensor parallel over tp (sequence parallel
-    with ``sequence_parallel``), then ``recompute`` (module class names, e.g. ``["Block"]``)."""
+    with ``sequence_parallel``), context parallel over cp (``cp_method``: ``"ring"`` or
+    ``"all_to_all"``), then ``recompute`` (module class names, e.g. ``["Block"]``)."""
+    context = context_plan(mesh.pp_size > 1, cp_method) if mesh.cp_size > 1 else None
     if mesh.pp_size == 1:
         return ParallelPlan(
-            tensor=tp_plan(), sequence_parallel=sequence_parallel, recompute=tuple(recompute)
+            tensor=tp_plan(),
+            sequence_parallel=sequence_parallel,
+            recompute=tuple(recompute),
+            context=context,
         )
     sp = mesh.tp_size if sequence_parallel else 1
 
@@ -151,4 +178,5 @@ def plan(
         sequence_parallel=sequence_parallel,
         pipeline=split,
         recompute=tuple(recompute),
+        context=context,
     )

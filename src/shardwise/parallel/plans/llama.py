@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from shardwise.mesh import Axis, Mesh
+from shardwise.parallel.context.attention import context_mean
+from shardwise.parallel.parallelize import ContextPlan
+
 
 def tp_plan() -> dict[str, str]:
     """Plan for Hugging Face ``LlamaForCausalLM`` naming (and models that copy it).
@@ -27,3 +36,29 @@ def tp_plan() -> dict[str, str]:
         "model.layers.*.mlp.down_proj": "rowwise",
         "lm_head": "colwise_gather",
     }
+
+
+def context_plan(method: str = "ring") -> ContextPlan:
+    """Context parallelism for Hugging Face Llama naming: every decoder layer's attention runs
+    exact over the cp axis through shardwise's registered attention implementation (grouped
+    key/value heads travel unrepeated), and the rotary embedding takes global positions.
+
+    Under cp the model's own shifted loss (``labels=``) would pair tokens across chunk ends:
+    give targets already shifted (the next token at each position) to ``loss``."""
+    return ContextPlan(
+        {"model.layers.*.self_attn": "hf_attention", "model.rotary_emb": "positions"}, method
+    )
+
+
+def loss(mesh: Mesh) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Cross entropy of full-vocabulary logits [batch, seq, vocab] against already-shifted
+    targets [batch, seq] (``-100``: not counted), averaged over every token of every cp rank."""
+    group = mesh.group(Axis.CP) if mesh.cp_size > 1 else None
+
+    def fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if group is None:
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        return context_mean(total, (targets != -100).sum(), group)
+
+    return fn
