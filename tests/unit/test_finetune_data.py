@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from finetune_fixtures import (
+
+from shardwise.finetune.collator import Collator, nll_sum
+from shardwise.finetune.data import DataError, Example, read_dataset
+from shardwise.finetune.demo import (
     chat_records,
     prompt_records,
     tiny_gpt2,
@@ -16,9 +19,6 @@ from finetune_fixtures import (
     tokenizer,
     write_jsonl,
 )
-
-from shardwise.finetune.collator import Collator, nll_sum
-from shardwise.finetune.data import DataError, Example, read_dataset
 from shardwise.finetune.packing import block_causal_mask, pack, pack_rows, prepare
 from shardwise.finetune.render import IGNORE, Tokenized, render
 from shardwise.finetune.sampler import ExampleSampler

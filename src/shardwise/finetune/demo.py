@@ -1,5 +1,6 @@
-"""Small fine-tuning fixtures built offline: a BPE tokenizer trained on text written here,
-prompt/completion and chat datasets, and a tiny Llama / GPT-2 saved with ``save_pretrained``."""
+"""A fine-tuning setup built offline, for the demo and the tests: a byte-level BPE tokenizer
+trained on generated sentences, prompt/completion and chat datasets, and a tiny Llama or GPT-2
+saved with ``save_pretrained`` (nothing downloaded)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 
 import torch
 
+from shardwise.finetune.tokenizer import build_tokenizer
+
 WORDS = (
     "the quick brown fox jumps over the lazy dog while seven wizards quietly hex a jolly "
     "mountain of books about rivers stars and small green apples"
@@ -17,10 +20,12 @@ WORDS = (
 
 
 def sentence(i: int, n: int) -> str:
+    """The ``i``-th generated sentence of ``n`` words."""
     return " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(n))
 
 
 def prompt_records(count: int = 24) -> list[dict[str, Any]]:
+    """``count`` prompt/completion records."""
     return [
         {
             "prompt": f"Q: {sentence(i, 2 + i % 4)}? A:",
@@ -31,6 +36,7 @@ def prompt_records(count: int = 24) -> list[dict[str, Any]]:
 
 
 def chat_records(count: int = 24) -> list[dict[str, Any]]:
+    """``count`` chat records (some with a system turn, some with two exchanges)."""
     out = []
     for i in range(count):
         turns = [
@@ -49,19 +55,20 @@ def chat_records(count: int = 24) -> list[dict[str, Any]]:
 
 
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
+    """Write ``records`` one JSON object a line."""
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
 
 
 @functools.lru_cache(maxsize=2)
 def tokenizer(chat: bool = True) -> Any:
-    from shardwise.finetune.tokenizer import build_tokenizer
-
+    """A 320-token BPE tokenizer trained on the generated sentences (ChatML template)."""
     corpus = [sentence(i, 12) for i in range(200)] + ["user assistant system Q: A: ?"] * 20
     return build_tokenizer(corpus, vocab_size=320, chat=chat)
 
 
 def tiny_llama(vocab: int, seed: int = 0) -> Any:
+    """A two-layer ``LlamaForCausalLM`` (grouped-query attention), seeded."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -81,6 +88,7 @@ def tiny_llama(vocab: int, seed: int = 0) -> Any:
 
 
 def tiny_gpt2(vocab: int, seed: int = 0) -> Any:
+    """A two-layer ``GPT2LMHeadModel`` without dropout, seeded."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
