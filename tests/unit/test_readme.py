@@ -19,6 +19,7 @@ SUBPACKAGES = (
     "costmodel",
     "data",
     "engine",
+    "finetune",
     "models",
     "parallel",
     "recompute",

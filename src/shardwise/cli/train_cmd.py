@@ -16,8 +16,9 @@ from typing import Any
 
 from shardwise.cli import train_auto, train_outcome
 from shardwise.cli import train_preflight as preflight
-from shardwise.cli.launch import DEFAULT_GRACE_S, add_launch_args, check_launch_args, launch
+from shardwise.cli.launch import DEFAULT_GRACE_S, check_launch_args, launch
 from shardwise.cli.run_agent import STOPPED_CODES
+from shardwise.cli.run_args import DEFAULT_CHECKPOINT_EVERY, DEFAULT_MICRO_BATCH, add_run_args
 from shardwise.config import COUNT_MAX, PIPELINE_SCHEDULES, PRECISIONS, Config
 from shardwise.train.lock import RunDirLock
 from shardwise.train.metrics import read_metrics
@@ -25,9 +26,7 @@ from shardwise.train.options import DEFAULT_STEPS, RunConfig, TrainOptions
 from shardwise.train.rundir import CHECKPOINTS_NAME, RunDir, latest_run_dir, new_run_dir
 
 DEFAULT_NPROC = 2
-DEFAULT_MICRO_BATCH = 8
 DEFAULT_CLIPPING = 1.0
-DEFAULT_CHECKPOINT_EVERY = 100
 
 # TrainOptions fields a resumed run may change; everything else shapes the run and must stay.
 RESUMABLE = ("steps", "eval_every", "eval_batches", "log_every")
@@ -66,53 +65,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "sources) on N ranks with ZeRO. Writes config.json, metrics.jsonl, "
         "checkpoints and summary.json into the run directory.",
     )
-    add_launch_args(p, default_nproc=DEFAULT_NPROC)
-    p.set_defaults(nproc_per_node=None, func=run_train)  # None: given or not, decided below
-    g = p.add_argument_group("engine")
-    g.add_argument("--zero", type=int, help="ZeRO stage 0-3 (default 0)")
-    g.add_argument("--precision", help=f"{' | '.join(PRECISIONS)} (default fp32)")
-    g.add_argument(
-        "--micro-batch",
-        type=int,
-        help=f"sequences per rank per micro-step (default {DEFAULT_MICRO_BATCH})",
+    groups = add_run_args(
+        p, default_nproc=DEFAULT_NPROC, default_steps=DEFAULT_STEPS, default_lr=3e-3
     )
-    g.add_argument("--grad-accum", type=int, help="micro-steps per optimizer step (default 1)")
-    g.add_argument(
-        "--activation-checkpointing",
-        action="store_true",
-        default=None,
-        help="recompute each transformer block's activations in backward",
-    )
-    g.add_argument(
-        "--checkpoint-every",
-        type=int,
-        help=f"save a checkpoint every N steps (default {DEFAULT_CHECKPOINT_EVERY}; "
-        "0: only at the end)",
-    )
-    g.add_argument("--seed", type=int, help="seed of weights and data order (default 0)")
-    g.add_argument(
-        "--config", type=Path, help="a shardwise Config file (.toml/.json/.yaml); flags override it"
-    )
-    t = p.add_argument_group("training")
+    p.set_defaults(func=run_train)
+    t = groups.training
     t.add_argument(
         "--model", help="model preset: tiny | small | medium | anchor | gpt2 (default small)"
     )
-    t.add_argument("--steps", type=int, help=f"optimizer steps (default {DEFAULT_STEPS})")
-    t.add_argument("--lr", type=float, help="peak learning rate, AdamW (default 3e-3)")
-    t.add_argument("--warmup-steps", type=int, help="linear warmup (default 10%% of steps)")
-    t.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
-    t.add_argument("--eval-every", type=int, help="validation every N steps (default 50)")
-    t.add_argument("--eval-batches", type=int, help="validation micro-batches per rank")
-    t.add_argument("--log-every", type=int, help="steps between log lines off a terminal")
     t.add_argument("--data", help="text file or directory (default: the Python stdlib)")
     t.add_argument("--max-bytes", type=int, help="read at most this many corpus bytes")
-    par = p.add_argument_group("model parallelism")
-    par.add_argument(
-        "--tp",
-        type=int,
-        help="tensor-parallel degree: ranks splitting each layer; the rest are data parallel "
-        "(default 1)",
-    )
+    par = groups.parallel
     par.add_argument(
         "--sequence-parallel",
         action="store_true",
@@ -125,12 +88,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="pipeline-parallel degree: stages the layers are split into (default 1)",
     )
     par.add_argument(
-        "--dp-replicate",
-        type=int,
-        help="hierarchical sharding (HSDP): ZeRO shards inside each of this many replicas of "
-        "the dp ranks (e.g. one per node) and the replicas all-reduce; default 1 (flat)",
-    )
-    par.add_argument(
         "--schedule",
         help=f"with --pp: {' | '.join(PIPELINE_SCHEDULES)} (default 1f1b)",
     )
@@ -140,17 +97,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --pp: pipeline micro-batches each --micro-batch is split into (default: pp)",
     )
     train_auto.add_auto_args(p)
-    r = p.add_argument_group("run directory")
-    r.add_argument(
-        "--run-dir",
-        type=Path,
-        help="where the run's files go (default runs/<timestamp>; with --resume: the newest)",
-    )
-    r.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the run in --run-dir from its newest checkpoint",
-    )
 
 
 def _given(args: argparse.Namespace, names: tuple[str, ...] | list[str]) -> dict[str, Any]:
@@ -268,9 +214,14 @@ def _resumed_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir]:
     engine = run.engine.replace(checkpoint_dir=CHECKPOINTS_NAME)  # a moved run keeps its own
     if args.checkpoint_every is not None:
         engine = engine.replace(checkpoint_every=args.checkpoint_every)
-    return RunConfig(
-        train=opts, engine=engine, world_size=run.world_size, launch=run.launch
-    ), run_dir
+    resumed = RunConfig(
+        train=opts,
+        engine=engine,
+        world_size=run.world_size,
+        launch=run.launch,
+        finetune=run.finetune,
+    )
+    return resumed, run_dir
 
 
 def _slowest_step_s(run_dir: RunDir) -> float:
@@ -302,6 +253,26 @@ def run_train(args: argparse.Namespace) -> int:
         preflight.check_layout(run)
         preflight.check_data(run)
         preflight.check_memory(run, args.nproc_per_node)
+    headline = (
+        f"shardwise train: {run.train.model} model, {run.world_size} ranks ({run.layout()}), "
+        f"ZeRO-{run.engine.zero_stage}, {run.engine.precision}, {run.train.steps} steps of "
+        f"{run.tokens_per_step} tokens"
+    )
+    written = None if plan is None else (lambda: train_auto.write_plan(plan, run_dir.root))
+    return launch_run(args, run, run_dir, "train", headline, written)
+
+
+def launch_run(
+    args: argparse.Namespace,
+    run: RunConfig,
+    run_dir: RunDir,
+    command: str,
+    headline: str,
+    also_write: Callable[[], None] | None = None,
+) -> int:
+    """Start the ranks of a checked run (``train`` or ``finetune``): create and lock the run
+    directory, write ``config.json`` (and ``also_write``), print ``headline``, launch the
+    workers, report how the run ended. Returns the exit code."""
     preflight.open_run_dir(run_dir)
     lock = RunDirLock(run_dir.root) if args.node_rank == 0 else None
     try:
@@ -310,15 +281,9 @@ def run_train(args: argparse.Namespace) -> int:
         if not args.resume and run_dir.exists():  # another job started it meanwhile
             raise ValueError(f"{run_dir.root} already holds a run: pass --resume to continue it")
         preflight.write_config(run, run_dir)
-        if plan is not None:
-            train_auto.write_plan(plan, run_dir.root)
-        print(
-            f"shardwise train: {run.train.model} model, {run.world_size} ranks "
-            f"({run.layout()}), "
-            f"ZeRO-{run.engine.zero_stage}, {run.engine.precision}, {run.train.steps} steps of "
-            f"{run.tokens_per_step} tokens -> {run_dir.root}",
-            flush=True,
-        )
+        if also_write is not None:
+            also_write()
+        print(f"{headline} -> {run_dir.root}", flush=True)
         if args.nproc_per_node > 1:
             os.environ.setdefault("OMP_NUM_THREADS", "1")
         target = ["-m", "shardwise.train.worker", str(run_dir.root)]
@@ -326,7 +291,7 @@ def run_train(args: argparse.Namespace) -> int:
         result = launch(
             args,
             target + (["--resume"] if args.resume else []),
-            "train",
+            command,
             grace_s=_grace(args, run_dir),
         )
     finally:
@@ -337,7 +302,7 @@ def run_train(args: argparse.Namespace) -> int:
     if result.stop_signal is not None or code in STOPPED_CODES:
         code = train_outcome.stop_message(run_dir, result, before)
     if code != 0:
-        print(f"continue with: shardwise train --run-dir {run_dir.root} --resume")
+        print(f"continue with: shardwise {command} --run-dir {run_dir.root} --resume")
     return code
 
 

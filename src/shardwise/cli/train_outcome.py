@@ -36,8 +36,9 @@ def report(run_dir: RunDir, code: int, started: float) -> None:
     val_text = "n/a" if val is None else f"{val:.3f}"
     rate = summary.get("tokens_per_s")
     print(
-        f"{summary['status']} at step {summary['steps']}: validation loss {val_text} nats "
-        f"(unigram baseline {base:.3f}), {format_rate(rate) if rate else 'n/a'} at "
+        f"{summary['status']} at step {summary['steps']}: validation loss {val_text} nats"
+        + ("" if base is None else f" (unigram baseline {base:.3f})")
+        + f", {format_rate(rate) if rate else 'n/a'} at "
         f"{summary['world_size']} ranks, wall time {format_duration(summary['wall_time_s'])}"
     )
     print(f"run directory: {run_dir.root}")

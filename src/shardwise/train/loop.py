@@ -25,7 +25,7 @@ from shardwise.train import checkpoints
 from shardwise.train.lr_schedule import lr_at
 from shardwise.train.metrics import MetricsWriter, read_metrics
 from shardwise.train.options import RunConfig
-from shardwise.train.parallel import build_mesh, build_model
+from shardwise.train.parallel import BuiltModel, build_mesh, build_model
 from shardwise.train.pipeline_metrics import local_times, pipeline_record
 from shardwise.train.plan_check import PlanCheck
 from shardwise.train.progress import Progress, format_rate
@@ -42,6 +42,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
     for name, p in model.named_parameters():
+        if not p.requires_grad:  # frozen (a LoRA base): not the optimizer's
+            continue
         (decay if p.dim() >= 2 and "emb" not in name else no_decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
@@ -74,10 +76,8 @@ class Trainer:
         self.started = time.perf_counter()
         if resume and self.rank == 0:  # if this launch fails, no summary says the run ended
             discard_summary(run_dir.summary)
-        cfg = run.model
-        self.corpus = load_corpus(self.opts.data, max_bytes=self.opts.max_bytes)
         # the same model on every rank, its stages of it under --pp, tp-split under --tp
-        self.built = build_model(run, self.mesh)
+        self.built = self.build_model()
         model = self.built.module
         optimizer = torch.optim.AdamW(
             param_groups(model, self.opts.weight_decay), lr=self.opts.lr, betas=(0.9, 0.95)
@@ -86,15 +86,7 @@ class Trainer:
         engine_cfg = engine_cfg.replace(resume="auto") if resume else engine_cfg
         self.engine: Engine = shardwise.initialize(self.built.parallelized, optimizer, engine_cfg)
         self.pipe = self.engine if isinstance(self.engine, PipelineEngine) else None
-        self.sampler = DistributedBatchSampler(
-            self.corpus.train,
-            cfg.seq_len,
-            run.micro_batch,
-            self.dp.rank,
-            self.dp.size,
-            seed=run.engine.seed,
-            grad_accum=run.engine.gradient_accumulation_steps,
-        )
+        self.sampler = self.build_sampler()
         self.step = 0
         self.resumed = resume
         if resume:
@@ -107,6 +99,57 @@ class Trainer:
         self.prior_wall_s = 0.0  # earlier launches of a resumed run (rank 0 knows it)
         # an --auto run's prediction, checked against its steps (rank 0)
         self.check = PlanCheck.load(run_dir.root) if self.rank == 0 else None
+
+    # ---- what a kind of run decides (a fine-tuning run overrides these) ----
+
+    def build_model(self) -> BuiltModel:
+        """This rank's model, parallelized; also reads the corpus."""
+        self.corpus = load_corpus(self.opts.data, max_bytes=self.opts.max_bytes)
+        return build_model(self.run_cfg, self.mesh)
+
+    def build_sampler(self) -> Any:
+        """This dp rank's batches (``next_batch``), resumable (``state_dict``)."""
+        run = self.run_cfg
+        return DistributedBatchSampler(
+            self.corpus.train,
+            run.model.seq_len,
+            run.micro_batch,
+            self.dp.rank,
+            self.dp.size,
+            seed=run.engine.seed,
+            grad_accum=run.engine.gradient_accumulation_steps,
+        )
+
+    def micro_losses(self) -> list[float]:
+        """Forward and backward over this rank's micro-batches of one step; their losses."""
+        losses = []
+        for _ in range(self.run_cfg.engine.gradient_accumulation_steps):
+            x, y = self.sampler.next_batch()  # [micro_batch, seq_len] each
+            loss = self.engine(x, y)
+            self.engine.backward(loss)
+            losses.append(float(loss.detach()))
+        return losses
+
+    def has_validation(self) -> bool:
+        """Whether ``evaluate`` has data (the corpus always has a validation split)."""
+        return True
+
+    def baseline(self) -> float | None:
+        """A loss to compare against (the corpus's unigram entropy), logged and summarized."""
+        return self.corpus.unigram_entropy()
+
+    def headline(self) -> str:
+        """The first progress line: what is trained, on what."""
+        return f"training {self.run_cfg.model.param_count() / 1e6:.2f}M params"
+
+    def tokens_per_step(self) -> int:
+        return self.run_cfg.tokens_per_step
+
+    def save_outputs(self, lead: bool) -> None:
+        """What the run leaves at its end (every rank calls it): the final model file."""
+        checkpoints.save_final_model(
+            self.engine, self.dir.final_model, self.step, lead, self.built, self.mesh
+        )
 
     # ---- one step ----
 
@@ -131,12 +174,7 @@ class Trainer:
         if self.pipe is not None:
             losses, memory, extra["pipeline"] = self._pipeline_step()
         else:
-            losses = []
-            for _ in range(self.run_cfg.engine.gradient_accumulation_steps):
-                x, y = self.sampler.next_batch()  # [micro_batch, seq_len] each
-                loss = self.engine(x, y)
-                self.engine.backward(loss)
-                losses.append(float(loss.detach()))
+            losses = self.micro_losses()
             memory = self.engine.memory()  # gradients are held: the step's peak of model states
             t_opt = time.perf_counter()
             self.engine.step()
@@ -197,7 +235,7 @@ class Trainer:
 
     def _record(self, parts: list[dict[str, Any]], val_loss: float | None) -> dict[str, Any]:
         step_time = max(p["step_time_s"] for p in parts)
-        tokens = self.run_cfg.tokens_per_step
+        tokens = self.tokens_per_step()
         record = {
             "step": self.step,
             "loss": sum(p["loss"] for p in parts) / len(parts),
@@ -242,7 +280,8 @@ class Trainer:
             parts = objects.all_gather_object(local, group=self.world.group)
             signals = [p["stop"] for p in parts if p["stop"]]
             val_loss = None
-            if self.step == self.opts.steps or (every and self.step % every == 0):
+            due = self.step == self.opts.steps or (every and self.step % every == 0)
+            if due and self.has_validation():
                 val_loss = self.last_val = self.evaluate()
             if writer is not None and progress is not None:
                 # the record first: a committed checkpoint's step always has its record, so a
@@ -265,7 +304,7 @@ class Trainer:
         and rank 0 writes ``final_model.safetensors`` and ``summary.json``.
         """
         lead = self.rank == 0
-        unigram = self.corpus.unigram_entropy()
+        unigram = self.baseline()
         writer = (
             MetricsWriter(self.dir.metrics, self.step if self.resumed else None) if lead else None
         )
@@ -274,20 +313,18 @@ class Trainer:
         progress = Progress(self.opts.steps, self.step, self.opts.log_every) if lead else None
         if progress is not None:
             progress.message(
-                f"training {self.run_cfg.model.param_count() / 1e6:.2f}M params on "
+                f"{self.headline()} on "
                 f"{self.world.world_size} ranks ({self.run_cfg.layout()}), "
                 f"ZeRO-{self.run_cfg.engine.zero_stage}, "
-                f"{self.run_cfg.engine.precision}, {self.run_cfg.tokens_per_step} tokens/step; "
-                f"unigram baseline {unigram:.3f} nats"
+                f"{self.run_cfg.engine.precision}, {self.tokens_per_step()} tokens/step"
+                + ("" if unigram is None else f"; unigram baseline {unigram:.3f} nats")
             )
         try:
             self._loop(stop, writer, progress)
             # a signal from here on changes nothing: the ranks save and exit anyway
             self._save_checkpoint()
             checkpoints.finish_saving(self.engine)
-            checkpoints.save_final_model(
-                self.engine, self.dir.final_model, self.step, lead, self.built, self.mesh
-            )
+            self.save_outputs(lead)
         finally:
             if progress is not None:
                 progress.close()
@@ -297,7 +334,7 @@ class Trainer:
             self._write_summary(stop, unigram)
         return stop.exit_code
 
-    def _write_summary(self, stop: StopRequest, unigram: float) -> None:
+    def _write_summary(self, stop: StopRequest, unigram: float | None) -> None:
         records = read_metrics(self.dir.metrics) if self.dir.metrics.exists() else []
         vals = [r["val_loss"] for r in records if r.get("val_loss") is not None]
         status = "finished"
@@ -318,11 +355,11 @@ class Trainer:
         val = summary["final_val_loss"]
         rate = summary["tokens_per_s"]
         log.info(
-            "%s at step %d: val loss %s (unigram baseline %.3f), %s",
+            "%s at step %d: val loss %s%s, %s",
             status,
             summary["steps"],
             "n/a" if val is None else f"{val:.3f}",
-            unigram,
+            "" if unigram is None else f" (unigram baseline {unigram:.3f})",
             format_rate(rate) if rate else "n/a",
         )
         if val is not None and not math.isfinite(val):

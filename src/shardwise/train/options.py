@@ -122,6 +122,9 @@ class RunConfig:
     """Ranks the run was launched with."""
     launch: dict[str, Any] = field(default_factory=dict)
     """Launcher options (ranks per node, nodes), for the record."""
+    finetune: dict[str, Any] | None = None
+    """A ``shardwise finetune`` run's options (``shardwise.finetune.options.FinetuneOptions``
+    as a dict); None: a ``shardwise train`` run of the built-in GPT."""
 
     def __post_init__(self) -> None:
         if self.engine.micro_batch_size is None:
@@ -170,6 +173,12 @@ class RunConfig:
 
     def derived(self) -> dict[str, Any]:
         """Values computed from the options, stored for readers of ``config.json``."""
+        if self.finetune is not None:  # the model is the directory's, its size known on ranks
+            return {
+                "global_batch_size": self.global_batch_size,
+                "dp_size": self.dp_size,
+                "warmup_steps": self.train.warmup,
+            }
         cfg = self.model
         return {
             "global_batch_size": self.global_batch_size,
@@ -188,6 +197,7 @@ class RunConfig:
             "model": dataclasses.asdict(self.model),
             "world_size": self.world_size,
             "launch": dict(self.launch),
+            **({"finetune": dict(self.finetune)} if self.finetune is not None else {}),
             "derived": self.derived(),
         }
 
@@ -200,6 +210,7 @@ class RunConfig:
                 engine=Config.from_dict(data["shardwise"]),
                 world_size=int(data["world_size"]),
                 launch=dict(data.get("launch", {})),
+                finetune=data.get("finetune"),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"run config is missing or has a bad entry: {exc}") from exc

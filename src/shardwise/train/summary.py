@@ -89,7 +89,11 @@ def build_summary(
         "tokens_per_s": tokens / step_time if step_time > 0 else None,
         "wall_time_s": wall_time_s,
         "world_size": run.world_size,
-        "memory": {"estimated_per_rank": memory_estimate(run), "measured_peak_per_rank": measured},
+        "memory": {
+            # the estimate is the built-in GPT's; a fine-tuning run has none
+            "estimated_per_rank": memory_estimate(run) if run.finetune is None else None,
+            "measured_peak_per_rank": measured,
+        },
     }
 
 

@@ -43,7 +43,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     with StopRequest() as stop:
         world = shardwise.init()
         _setup_logging(world.rank)
-        code = Trainer(run, run_dir, resume=args.resume or restarted, world=world).run(stop)
+        kind = Trainer
+        if run.finetune is not None:  # transformers and peft only for fine-tuning runs
+            from shardwise.finetune.run import FinetuneTrainer
+
+            kind = FinetuneTrainer
+        code = kind(run, run_dir, resume=args.resume or restarted, world=world).run(stop)
         # no shutdown after an error: it would wait for ranks that the launcher now stops
         shardwise.shutdown()
     return code

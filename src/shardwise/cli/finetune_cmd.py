@@ -1,0 +1,171 @@
+"""``shardwise finetune MODEL_DIR --data FILE``: fine-tune a local Hugging Face causal LM on
+ranks, with ``shardwise train``'s options, run directory and launcher.
+
+Everything that can be wrong is found here before a rank starts (the model directory, the
+tokenizer, every data record, the LoRA targets, conflicting options): one line, exit code 2,
+nothing written to the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from shardwise.cli import train_cmd
+from shardwise.cli.launch import check_launch_args
+from shardwise.cli.run_args import add_run_args
+from shardwise.train.options import RunConfig, TrainOptions
+from shardwise.train.rundir import RunDir, new_run_dir
+
+DEFAULT_STEPS = 100
+DEFAULT_LR = 1e-4
+SHARED_TRAIN_FLAGS = (
+    "steps",
+    "seq_len",
+    "lr",
+    "warmup_steps",
+    "eval_every",
+    "eval_batches",
+    "log_every",
+    "tp",
+    "dp_replicate",
+)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "finetune",
+        help="fine-tune a local Hugging Face causal LM (LoRA or full) across ranks",
+        description="Fine-tune a local Hugging Face causal LM directory (config, safetensors, "
+        "tokenizer; nothing downloaded) on JSONL records with text, prompt + completion, or "
+        "messages. Same run directory, checkpoints, resume and launcher as shardwise train; "
+        "writes adapter/ (LoRA) and / or model/ at the end.",
+    )
+    groups = add_run_args(p, default_nproc=2, default_steps=DEFAULT_STEPS, default_lr=DEFAULT_LR)
+    # the train command's options a fine-tuning run does not take
+    p.set_defaults(
+        func=run_finetune,
+        model=None,
+        max_bytes=None,
+        sequence_parallel=None,
+        pp=None,
+        schedule=None,
+        microbatches=None,
+    )
+    p.add_argument("model_dir", nargs="?", type=Path, help="Hugging Face model directory")
+    d = p.add_argument_group("fine-tuning")
+    d.add_argument("--data", help="training records: .jsonl (or a .json list)")
+    d.add_argument("--eval-data", help="validation records, same shapes")
+    d.add_argument("--lora", help="LoRA: r=16,alpha=32,dropout=0.05,targets=q_proj,v_proj")
+    d.add_argument("--full", action="store_true", help="fine-tune every weight")
+    d.add_argument("--merge", action="store_true", help="with --lora: also write model/ merged")
+    d.add_argument("--packing", action="store_true", help="pack examples into --seq-len rows")
+    d.add_argument("--train-on-prompt", action="store_true", help="loss on prompts too")
+    d.add_argument("--skip-bad-lines", action="store_true", help="skip malformed records")
+    del groups
+
+
+def _finetune_options(args: argparse.Namespace) -> Any:
+    from shardwise.finetune.options import FinetuneOptions
+
+    if args.model_dir is None:
+        raise ValueError("shardwise finetune needs MODEL_DIR, a Hugging Face model directory")
+    if args.data is None:
+        raise ValueError("--data is required: a .jsonl file of text, prompt/completion or messages")
+    if bool(args.lora) == bool(args.full):
+        raise ValueError("choose one of --lora r=...,targets=... or --full")
+    return FinetuneOptions(
+        model_dir=str(args.model_dir.resolve()),
+        eval_data=str(Path(args.eval_data).resolve()) if args.eval_data else None,
+        lora=args.lora,
+        packing=args.packing,
+        train_on_prompt=args.train_on_prompt,
+        skip_bad_lines=args.skip_bad_lines,
+        merge=args.merge,
+    )
+
+
+def _check_inputs(ft: Any, data: str, seq_len: int | None) -> tuple[int, list[str]]:
+    """Read and check the model directory, tokenizer, data and LoRA targets as the ranks will;
+    returns the sequence length and the decoder layer classes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.finetune.lora import check_targets
+    from shardwise.finetune.model import check_model_dir, decoder_layer_classes, load_tokenizer
+    from shardwise.finetune.options import DEFAULT_SEQ_LEN
+    from shardwise.finetune.pipeline import load_training_data
+
+    config = check_model_dir(Path(ft.model_dir))
+    context = getattr(config, "max_position_embeddings", None) or DEFAULT_SEQ_LEN
+    if seq_len is not None and seq_len > context:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens")
+    seq_len = seq_len or min(DEFAULT_SEQ_LEN, context)
+    tok = load_tokenizer(Path(ft.model_dir))
+    kw = {"seq_len": seq_len, "packing": ft.packing, "train_on_prompt": ft.train_on_prompt}
+    report = load_training_data(data, tok, skip_bad_lines=ft.skip_bad_lines, **kw).report()
+    print(f"shardwise finetune: {data}: {report}")
+    if ft.eval_data is not None:
+        load_training_data(ft.eval_data, tok, **kw)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    if ft.lora_spec is not None:
+        check_targets(model, ft.lora_spec)
+    return seq_len, decoder_layer_classes(model)
+
+
+def _new_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir]:
+    ft = _finetune_options(args)
+    run_dir = RunDir(args.run_dir) if args.run_dir else new_run_dir()
+    if run_dir.exists():
+        raise ValueError(f"{run_dir.root} already holds a run: pass --resume or another --run-dir")
+    args.nproc_per_node = args.nproc_per_node or 2
+    check_launch_args(args)
+    if not Path(args.data).is_file():
+        raise ValueError(f"--data {args.data} does not exist")
+    data = str(Path(args.data).resolve())
+    seq_len, blocks = _check_inputs(ft, data, args.seq_len)
+    given = {k: v for k, v in vars(args).items() if k in SHARED_TRAIN_FLAGS and v is not None}
+    given.update(seq_len=seq_len, data=data)
+    given.setdefault("steps", DEFAULT_STEPS)
+    given.setdefault("lr", DEFAULT_LR)
+    opts = TrainOptions(weight_decay=0.0, **given)
+    engine = train_cmd._engine_config(args, run_dir).replace(wrap_policy=blocks)
+    if args.activation_checkpointing:
+        engine = engine.replace(activation_checkpointing=blocks)
+    run = RunConfig(
+        train=opts,
+        engine=engine,
+        world_size=args.nproc_per_node * args.nnodes,
+        launch={"nproc_per_node": args.nproc_per_node, "nnodes": args.nnodes},
+        finetune=ft.to_dict(),
+    )
+    if run.world_size % (opts.tp * opts.dp_replicate):
+        raise ValueError(
+            f"--tp {opts.tp} x --dp-replicate {opts.dp_replicate} must divide the "
+            f"{run.world_size} ranks"
+        )
+    return run, run_dir
+
+
+def run_finetune(args: argparse.Namespace) -> int:
+    train_cmd._check_engine_flags(args)
+    if args.resume:
+        given = [f for f in ("lora", "full", "merge", "packing", "data") if getattr(args, f)]
+        if given:
+            raise ValueError(f"--{given[0]} cannot change when resuming: the run keeps its own")
+        args.auto = False
+        run, run_dir = train_cmd._resumed_run(args)
+        if run.finetune is None:
+            raise ValueError(f"{run_dir.root} is a shardwise train run: resume it with train")
+    else:
+        run, run_dir = _new_run(args)
+    ft = run.finetune or {}
+    how = f"LoRA {ft.get('lora')}" if ft.get("lora") else "full"
+    headline = (
+        f"shardwise finetune: {Path(ft.get('model_dir', '?')).name} ({how}), {run.world_size} "
+        f"ranks ({run.layout()}), ZeRO-{run.engine.zero_stage}, {run.engine.precision}, "
+        f"{run.train.steps} steps of {run.global_batch_size} sequences"
+    )
+    return train_cmd.launch_run(args, run, run_dir, "finetune", headline)

@@ -1,0 +1,92 @@
+"""LoRA adapters through ``peft``: the ``--lora`` option's grammar, and the model with only
+the adapters trainable (the base frozen, so ZeRO neither reduces nor updates it, at any
+stage)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """``--lora r=16,alpha=32,dropout=0.05,targets=q_proj,k_proj,v_proj,o_proj``."""
+
+    r: int = 16
+    """Rank of each adapter."""
+    alpha: float = 32.0
+    """Scale numerator: the update is ``B @ A * alpha / r``."""
+    dropout: float = 0.05
+    """Dropout on the adapter's input while training."""
+    targets: tuple[str, ...] = field(default=("q_proj", "k_proj", "v_proj", "o_proj"))
+    """Module name suffixes that get an adapter."""
+
+    @classmethod
+    def parse(cls, text: str) -> LoraSpec:
+        """Parse ``key=value`` pairs; ``targets=`` takes the rest of the list."""
+        values: dict[str, Any] = {}
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        for i, part in enumerate(parts):
+            key, eq, value = part.partition("=")
+            if not eq:
+                raise ValueError(
+                    f"--lora entry {part!r} is not key=value (r, alpha, dropout, targets)"
+                )
+            if key == "targets":
+                values["targets"] = (value, *[p for p in parts[i + 1 :] if "=" not in p])
+                rest = [p for p in parts[i + 1 :] if "=" in p]
+                if rest:
+                    raise ValueError(f"--lora: put targets= last, after {rest[0]!r}")
+                break
+            if key not in ("r", "alpha", "dropout"):
+                raise ValueError(f"--lora key {key!r} is unknown: use r, alpha, dropout, targets")
+            try:
+                values[key] = int(value) if key == "r" else float(value)
+            except ValueError:
+                raise ValueError(f"--lora {key}={value!r} is not a number") from None
+        spec = cls(**values)
+        if spec.r < 1 or spec.alpha <= 0 or not 0 <= spec.dropout < 1 or not all(spec.targets):
+            raise ValueError(
+                f"--lora needs r >= 1, alpha > 0, 0 <= dropout < 1 and named targets, got {text!r}"
+            )
+        return spec
+
+    def to_text(self) -> str:
+        """The option's text form (``parse`` inverts it)."""
+        return (
+            f"r={self.r},alpha={self.alpha},dropout={self.dropout},targets={','.join(self.targets)}"
+        )
+
+
+def check_targets(model: nn.Module, spec: LoraSpec) -> None:
+    """Raise ``ValueError`` naming each target that matches no linear-like module of
+    ``model`` (peft would otherwise fail deep inside, or adapt nothing)."""
+    names = [n for n, _ in model.named_modules()]
+    missing = [t for t in spec.targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        leaves = sorted(
+            {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if not list(m.children())}
+        )
+        raise ValueError(
+            f"--lora targets {', '.join(missing)} match no module of the model: choose from "
+            f"{', '.join(leaves)}"
+        )
+
+
+def apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
+    """``peft.get_peft_model`` with ``spec``: adapters on the target modules, every other
+    parameter frozen. B starts at zero (peft's default), so the model starts as the base."""
+    from peft import LoraConfig, get_peft_model
+
+    check_targets(model, spec)
+    alpha: Any = spec.alpha  # peft types it int; a float scale works the same
+    config = LoraConfig(
+        r=spec.r,
+        lora_alpha=alpha,
+        lora_dropout=spec.dropout,
+        target_modules=list(spec.targets),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
