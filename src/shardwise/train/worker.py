@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _setup_logging(world.rank)
         kind = Trainer
         if run.finetune is not None:  # transformers and peft only for fine-tuning runs
-            from shardwise.finetune.run import FinetuneTrainer
+            from shardwise.train.finetune import FinetuneTrainer
 
             kind = FinetuneTrainer
         code = kind(run, run_dir, resume=args.resume or restarted, world=world).run(stop)
