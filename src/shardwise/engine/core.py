@@ -71,6 +71,7 @@ class Engine(CheckpointMethods):
     ) -> None:
         self.config = config
         self.device = check_model(model)
+        param_access.check_unclaimed(model)  # a model is initialized once: say so first
         # a model built on the meta device: this rank allocates only what it keeps, and
         # ``materialize.fill_engine`` fills it (``shardwise.initialize`` calls it)
         self.deferred = self.device.type == "meta"
@@ -90,7 +91,6 @@ class Engine(CheckpointMethods):
             if self.replicate is not None:
                 self.replicate = self.replicate.with_debug(True)
         self.stage = ZeroStage.of(config.zero_stage)
-        param_access.check_unclaimed(model)
         if isinstance(optimizer, torch.optim.Optimizer):  # before the model is rebuilt
             zero_opt.check_shardable(type(optimizer), config.allow_untested_optimizer)
         policy = resolve_precision(config.precision, config.reduce_dtype, self.device)
