@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,19 +107,57 @@ def _slowest(group: Group, seconds: float) -> float:
     return float(took.item())
 
 
-def _time_probe(step: Callable[[], object], group: Group, budget_s: float) -> float:
-    """Median seconds of ``step`` (at least 3 timed, as many as ``budget_s`` allows up to 10),
-    the slowest rank's; every rank steps at once."""
+WARM_TOLERANCE = 0.05
+"""Warm-up ends when two consecutive step timings agree within this fraction."""
+WARM_SHARE = 0.5
+"""At most this share of a probe's budget goes to warming up."""
+
+
+def warmed_up(times: Sequence[float], tolerance: float = WARM_TOLERANCE) -> bool:
+    """Whether ``times`` (seconds of consecutive steps) ends warm: its last two timings agree
+    within ``tolerance`` of the smaller. A cold start (first-call allocation, page faults,
+    thread pools spinning up, a fresh process's caches) makes the first steps several times
+    slower, and a compute rate fitted to them picks slow layouts."""
+    if len(times) < 2:
+        return False
+    a, b = times[-2], times[-1]
+    return abs(a - b) <= tolerance * min(a, b)
+
+
+def _timed(step: Callable[[], object], group: Group) -> float:
+    """Seconds of one ``step``, every rank starting at once."""
     dev = group.world.device
-    step()  # warm-up: allocation, first-call costs
-    times: list[float] = []
+    ops.barrier(group=group)
+    t0 = calibrate._clock(dev)
+    step()
+    return calibrate._clock(dev) - t0
+
+
+def _any(group: Group, *flags: bool) -> list[bool]:
+    """Each flag, true if it is true on any rank (every rank gets the same answer)."""
+    t = torch.tensor([float(f) for f in flags], device=group.world.device)
+    ops.all_reduce(t, "max", group=group)
+    return [bool(v > 0) for v in t.tolist()]
+
+
+def _time_probe(step: Callable[[], object], group: Group, budget_s: float) -> float:
+    """Median seconds of ``step`` once warm (at least 3 timed, as many as ``budget_s`` allows
+    up to 10), the slowest rank's; every rank steps at once. Warm-up: steps until two
+    consecutive timings agree on every rank (``warmed_up``), within ``WARM_SHARE`` of the
+    budget; every rank runs the same number of steps."""
+    dev = group.world.device
     start = time.perf_counter()
-    while len(times) < 3 or (len(times) < 10 and time.perf_counter() - start < budget_s):
-        ops.barrier(group=group)
-        t0 = calibrate._clock(dev)
-        step()
-        times.append(calibrate._clock(dev) - t0)
-        # every rank runs the same number of steps: rank 0's clock decides
+    warm: list[float] = []
+    while True:
+        warm.append(_timed(step, group))
+        over = time.perf_counter() - start >= WARM_SHARE * budget_s
+        cold, over = _any(group, not warmed_up(warm), over)
+        if not cold or over:
+            break
+    times: list[float] = []
+    while len(times) < 10:  # the warm-up's time counts against the budget
+        times.append(_timed(step, group))
+        # rank 0's clock decides, so every rank runs the same number of steps
         more = torch.tensor([float(time.perf_counter() - start < budget_s)], device=dev)
         ops.broadcast(more, src=0, group=group)
         if len(times) >= 3 and not more.item():

@@ -5,7 +5,7 @@ learning-rate scheduler, and the arguments of ``Engine.backward``."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -15,11 +15,12 @@ from shardwise.comm import objects, ops
 from shardwise.comm.groups import Group
 from shardwise.config import Config
 from shardwise.mesh import Axis, Mesh
+from shardwise.parallel.placement import ZERO_AXES
 from shardwise.zero import optimizer as zero_opt
 from shardwise.zero.flat_param import Dtypes, FlatParam
 from shardwise.zero.param_schedule import ParamSchedule
 from shardwise.zero.stage import ZeroStage
-from shardwise.zero.units import buckets, split_trainable, units
+from shardwise.zero.units import buckets, split_by, split_trainable, units
 
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
@@ -30,7 +31,7 @@ def resolve_group(group: Group | Mesh) -> Group:
     Group. cp ranks hold the same parameters and train on different tokens of the same
     sequences: for ZeRO they are data-parallel ranks (gradients averaged, shards spread)."""
     if isinstance(group, Mesh):
-        return group.group(Axis.DP_SHARD, Axis.CP)
+        return group.group(*ZERO_AXES)
     return group
 
 
@@ -118,34 +119,38 @@ def build_flats(
     host: torch.device,
     replicate: Group | None = None,
     deferred: torch.device | None = None,
+    group_of: Callable[[torch.Tensor], Group] | None = None,
 ) -> tuple[list[FlatParam], ParamSchedule | None]:
     """The flat buffers (and, stage 3, the gather/free schedule), sharded over ``group`` and
     copied over ``replicate``, holding the first replica's first rank's weights. Communicates:
     a broadcast per flat buffer and group (and per frozen parameter outside one).
 
-    ``deferred`` (a meta model): the buffers are made on that device holding zeros, at stage 3
-    the shards alone, and nothing is broadcast: the engine fills them afterwards."""
-    src = group.ranks[0]
+    ``group_of``: each parameter's data-parallel group (default ``group``): parameters are
+    split by it first, then into buckets (stages 0-2) or units (stage 3), each flat buffer
+    sharded over its own group. ``deferred`` (a meta model): the buffers are made on that
+    device holding zeros, at stage 3 the shards alone, and nothing is broadcast: the engine
+    fills them afterwards."""
+    of = group_of if group_of is not None else (lambda p: group)
     schedule = None
     if not stage.shard_params:
         flats = [
-            FlatParam(named, group, stage, dtypes, trainable, replicate, deferred)
-            for named, trainable in buckets(model, config.reduce_bucket_bytes)
+            FlatParam(named, of(named[0][1]), stage, dtypes, trainable, replicate, deferred)
+            for named, trainable in buckets(model, config.reduce_bucket_bytes, _ranks_of(of))
         ]
         for p in model.parameters():  # frozen: replicated, never updated: rank 0's, once
             if not p.requires_grad and deferred is None:
                 if replicate is not None and replicate.size > 1:
                     ops.broadcast(p.data, src=replicate.ranks[0], group=replicate)
-                ops.broadcast(p.data, src=src, group=group)
+                ops.broadcast(p.data, src=of(p).ranks[0], group=of(p))
     else:
         specs = units(model, tuple(config.wrap_policy) if config.wrap_policy else None)
         by_name: dict[str, list[FlatParam]] = {}
         flats = []
         for spec in specs:
-            trainable, frozen = split_trainable(spec.own)
             mine = [
-                FlatParam(named, group, stage, dtypes, flag, replicate, deferred)
-                for named, flag in ((trainable, True), (frozen, False))
+                FlatParam(named, of(named[0][1]), stage, dtypes, flag, replicate, deferred)
+                for part in split_by(spec.own, _ranks_of(of))
+                for named, flag in zip(split_trainable(part), (True, False))
                 if named
             ]
             by_name[spec.name] = mine
@@ -158,9 +163,14 @@ def build_flats(
         )
     for f in flats:
         if deferred is None:
-            f.broadcast_from(src)
+            f.broadcast_from(f.group.ranks[0])
         f.finish_init(host)
     return flats, schedule
+
+
+def _ranks_of(group_of: Callable[[torch.Tensor], Group]) -> Callable[[nn.Parameter], Hashable]:
+    """A parameter's data-parallel group as a key to split parameters by."""
+    return lambda p: group_of(p).ranks
 
 
 def cast_outside_flats(model: nn.Module, inside: set[int], dtype: torch.dtype) -> None:

@@ -116,7 +116,7 @@ def save_engine(
     group = engine.save_group
     _check_saveable(engine)
     names = ModelNames.of(engine.module)
-    layouts = engine.placements.layouts(engine.module, engine.shard_group)
+    layouts = engine.placements.layouts(engine.module, engine.zero_group)
     flats = list(engine.flats)
     entries, local = flat_entries(flats, engine.optimizer, names, layouts)
     entries += replicated_entries(
@@ -227,7 +227,7 @@ def load_engine(
     if verify:
         _verify_together(step_dir, engine.save_group)
     names = ModelNames.of(engine.module)
-    layouts = engine.placements.layouts(engine.module, engine.shard_group)
+    layouts = engine.placements.layouts(engine.module, engine.zero_group)
     flats = list(engine.flats)
     with CheckpointReader(step_dir, verify=False) as reader:
         state = reader.trainer_state

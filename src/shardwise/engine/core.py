@@ -80,9 +80,7 @@ class Engine(CheckpointMethods):
         self.init_peak = InitPeak()
         eager_bytes = 0 if self.deferred else sum(p.nbytes for p in model.parameters())
         self.mesh = group if isinstance(group, Mesh) else None
-        # where every parameter lives: the plan's placements, completed and checked
-        self.placements = EnginePlacements(model, self.mesh, placements, self._extra_styles(model))
-        self.group = resolve_group(group)  # ZeRO shards over it
+        self.group = resolve_group(group)  # ZeRO shards over it (a parameter's own: see below)
         self.replicate = resolve_replicate(group)  # hierarchical sharding: copies of the shards
         self.dp_group = resolve_dp(group)  # every data-parallel rank
         if config.debug_collectives:  # this engine's collectives only; nothing process-wide
@@ -90,6 +88,11 @@ class Engine(CheckpointMethods):
             self.dp_group = self.dp_group.with_debug(True)
             if self.replicate is not None:
                 self.replicate = self.replicate.with_debug(True)
+        # where every parameter lives: the plan's placements, completed and checked, and the
+        # dp group ZeRO shards each over (``self.group`` unless it is split along a dp axis)
+        self.placements = EnginePlacements(
+            model, self.mesh, placements, self._extra_styles(model), self.group
+        )
         self.stage = ZeroStage.of(config.zero_stage)
         if isinstance(optimizer, torch.optim.Optimizer):  # before the model is rebuilt
             zero_opt.check_shardable(type(optimizer), config.allow_untested_optimizer)
@@ -111,6 +114,7 @@ class Engine(CheckpointMethods):
             self.host,
             self.replicate,
             deferred=self.device if self.deferred else None,
+            group_of=self.placements.zero_group,
         )
         param_access.claim(model)
         self._where: dict[int, tuple[FlatParam, ParamSlot]] = {
@@ -132,9 +136,10 @@ class Engine(CheckpointMethods):
             enabled=policy.needs_loss_scaling,
         )
         on_reduced = (lambda f: f.release()) if self.stage.shard_params else None
-        links = None  # the dp group's measured links, for the algorithms that need them
-        if config.allreduce_algorithm in ("auto", "hierarchical") and self.group.size > 1:
-            links = discover(self.group).links()
+        links = {}  # each dp group's measured links, for the algorithms that need them
+        if config.allreduce_algorithm in ("auto", "hierarchical"):
+            groups = {f.group.ranks: f.group for f in self.flats if f.group.size > 1}
+            links = {ranks: discover(g).links() for ranks, g in groups.items()}
         self.reducer = GradReducer(self.flats, on_reduced, config.allreduce_algorithm, links)
         self.steps = Steps()
         self.grad_norm: float | None = None

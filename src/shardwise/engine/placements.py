@@ -17,7 +17,13 @@ from torch import nn
 
 from shardwise.comm.groups import Group
 from shardwise.mesh import Axis, Mesh
-from shardwise.parallel.placement import NormReduction, Placement, Style, replicated
+from shardwise.parallel.placement import (
+    ZERO_AXES,
+    NormReduction,
+    Placement,
+    Style,
+    replicated,
+)
 from shardwise.zero.param_layout import ParamLayout
 
 ExtraStyles = Callable[[str, nn.Parameter], Mapping[str | Axis, Style]]
@@ -32,6 +38,8 @@ class EnginePlacements:
         mesh: the engine's mesh, or None (a plain data-parallel group: everything replicated).
         given: the plan's placements by parameter name (None: the model was not split).
         extra: styles to add per parameter (the pipeline axis).
+        zero: the group ZeRO shards a parameter replicated along every data-parallel axis over
+            (the engine's dp group; with no mesh, every parameter's).
 
     Raises:
         ValueError: naming the parameter whose tensor does not have its placement's local
@@ -44,8 +52,10 @@ class EnginePlacements:
         mesh: Mesh | None,
         given: Mapping[str, Placement] | None,
         extra: ExtraStyles | None = None,
+        zero: Group | None = None,
     ) -> None:
         self.mesh = mesh
+        self._zero = zero
         if given is None:
             _refuse_unplanned_split(model)
         self._by_id: dict[int, Placement] = {}
@@ -83,22 +93,46 @@ class EnginePlacements:
         assert self.mesh is not None, "a placement without a mesh names no axis"
         return self.mesh.group(axis)
 
+    def zero_group(self, param: torch.Tensor) -> Group:
+        """The data-parallel group ZeRO shards ``param``'s flat buffer over: the ranks of the
+        ``ZERO_AXES`` it is replicated along (the engine's dp group for a parameter replicated
+        along all of them, today every one a plan makes; a parameter split along one, an
+        expert split over its axis, is sharded over the others only).
+
+        Raises:
+            ValueError: naming the parameter when it is split along every data-parallel axis.
+        """
+        assert self._zero is not None, "the engine gives its dp group"
+        axes = self.of(param).zero_axes
+        if self.mesh is None or axes == ZERO_AXES:
+            return self._zero
+        if not axes:
+            raise ValueError(
+                f"parameter {self.of(param).name!r} is split along every data-parallel axis "
+                f"{[str(a) for a in ZERO_AXES]}: replicate it along one for ZeRO to shard it"
+            )
+        return self.mesh.group(*axes).with_debug(self._zero.debug)
+
     def norm_reduction(self, model: nn.Module) -> NormReduction:
         """The gradient-norm reduction over every axis that splits a trainable parameter."""
         trainable = [(p, self.of(p)) for p in model.parameters() if p.requires_grad]
         return NormReduction(trainable, self.group)
 
-    def layouts(self, model: nn.Module, zero_group: Group) -> dict[int, ParamLayout]:
+    def layouts(
+        self, model: nn.Module, zero_group: Callable[[torch.Tensor], Group]
+    ) -> dict[int, ParamLayout]:
         """Each split or mesh-replicated parameter's saved box by id: pieces of split
         parameters at their offsets (padding cut); a piece that the ranks of an axis hold
         identical copies of (other than ZeRO's, whose flat ranges say who writes) is written
-        by the first of them only."""
+        by the first of them only. ``zero_group``: the group whose flat ranges hold a
+        parameter."""
         out: dict[int, ParamLayout] = {}
         for p in model.parameters():
             where = self.of(p)
             copies = [self.group(a) for a in where.copies]
-            # copies inside ZeRO's group (its dp and cp axes): ZeRO's flat ranges say who writes
-            copies = [g for g in copies if not set(g.ranks) <= set(zero_group.ranks)]
+            # copies inside the parameter's ZeRO group: its flat ranges say who writes
+            inside = set(zero_group(p).ranks)
+            copies = [g for g in copies if not set(g.ranks) <= inside]
             if where.shards or copies or not where.first_holder:
                 offsets, real = where.real_box()
                 writes = all(g.rank == 0 for g in copies) and where.first_holder

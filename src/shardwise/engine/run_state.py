@@ -18,6 +18,7 @@ import random
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol
 
 import numpy as np
@@ -55,7 +56,8 @@ class CheckpointState:
         config: the engine's resolved config (stored, and its checkpoint settings).
         save_group: the ranks that save and load together: the engine's whole mesh
             (pp x dp x tp), or its data-parallel group; a sub-world's engine saves on its own.
-        shard_group: the group ZeRO shards the flat buffers over (file boxes follow it).
+        shard_group: the group ZeRO shards the flat buffers over by default (a flat buffer's
+            own ``group`` says where its file boxes come from).
         dp_size: every data-parallel rank (shards and replicas), recorded.
         pp_group: the pipeline group whose stages merge their names (None without pp).
         tp_size: tensor-parallel degree, recorded.
@@ -90,6 +92,16 @@ class CheckpointState:
     def me(self) -> int:
         """This process's rank in its world (for log lines)."""
         return self.save_group.ranks[self.save_group.rank]
+
+    def zero_group(self, param: torch.Tensor) -> Group:
+        """The group whose flat ranges hold ``param``: its flat buffer's, or ``shard_group``
+        for a parameter outside the flat buffers (frozen at stages 0-2, saved as an even
+        split over it)."""
+        return self._flat_groups.get(id(param), self.shard_group)
+
+    @cached_property
+    def _flat_groups(self) -> dict[int, Group]:
+        return {id(p): f.group for f in self.flats for p in f.params}
 
 
 class Stateful(Protocol):

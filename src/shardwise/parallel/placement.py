@@ -58,6 +58,10 @@ class StageOwned:
 
 
 Style = Shard | Replicate | StageOwned
+# the data-parallel axes ZeRO shards flat buffers over (cp ranks train on other tokens of the
+# same sequences: for ZeRO they are data-parallel ranks); a parameter joins the group of those
+# it is replicated along (see ``Placement.zero_axes``)
+ZERO_AXES: tuple[Axis, ...] = (Axis.DP_SHARD, Axis.CP)
 GroupOf = Callable[[Axis], Group]
 
 
@@ -190,6 +194,12 @@ class Placement:
         ]
         return out
 
+    @property
+    def zero_axes(self) -> tuple[Axis, ...]:
+        """The data-parallel axes (``ZERO_AXES``) this parameter is replicated along: ZeRO
+        shards its flat buffer over their ranks."""
+        return tuple(a for a in ZERO_AXES if isinstance(self.style(a), Replicate))
+
     def gather_full(self, local: torch.Tensor, group_of: GroupOf) -> torch.Tensor:
         """The whole parameter from every rank's ``local`` piece, padding cut (call on every
         rank of every split axis). Communicates: one all_gather per split axis, innermost
@@ -244,7 +254,10 @@ class NormReduction:
                 if a.axis not in self.axes:
                     continue
                 st = a.style
-                if isinstance(st, Replicate) and a.rank != 0:
+                # replicated along an axis ZeRO shards it over: each rank holds its own
+                # disjoint slice, so every rank counts it (``reduce`` leaves that axis to ZeRO)
+                zero_sharded = a.axis in where.zero_axes
+                if isinstance(st, Replicate) and a.rank != 0 and not zero_sharded:
                     self._skipped.add(id(p))
                 if isinstance(st, StageOwned) and st.holders and st.holders[0] != a.rank:
                     self._skipped.add(id(p))
@@ -253,8 +266,11 @@ class NormReduction:
         """Whether this rank adds ``param``'s local squares before the reductions."""
         return id(param) not in self._skipped
 
-    def reduce(self, sumsq: torch.Tensor) -> None:
-        """Sum ``sumsq`` (one fp32 value) over every splitting axis in turn. Communicates: one
-        all_reduce of 4 bytes per axis."""
+    def reduce(self, sumsq: torch.Tensor, within: Group | None = None) -> None:
+        """Sum ``sumsq`` (one fp32 value) over every splitting axis in turn, except the axes
+        inside ``within`` (the ZeRO group whose slices ``sumsq`` sums: the caller sums over
+        it). Communicates: one all_reduce of 4 bytes per axis."""
+        inside = set(within.ranks) if within is not None else set()
         for g in self.groups:
-            ops.all_reduce(sumsq, op="sum", group=g)
+            if not set(g.ranks) <= inside:
+                ops.all_reduce(sumsq, op="sum", group=g)

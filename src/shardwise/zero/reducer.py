@@ -22,7 +22,7 @@ not keep full gradients.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -53,11 +53,12 @@ class GradReducer:
         flats: list[FlatParam],
         on_reduced: Callable[[FlatParam], None] | None = None,
         algorithm: str = "native",
-        links: GroupLinks | None = None,
+        links: Mapping[tuple[int, ...], GroupLinks] | None = None,
     ) -> None:
         self.flats = [f for f in flats if f.trainable]
         self.on_reduced = on_reduced
-        self.algorithm, self.links = algorithm, links  # stage 0's all_reduce (comm.algorithms)
+        # stage 0's all_reduce (comm.algorithms), with each dp group's links by its ranks
+        self.algorithm, self.links = algorithm, dict(links or {})
         self._slot: dict[int, tuple[int, int, ParamSlot]] = {}
         self._handles = []
         for i, f in enumerate(self.flats):
@@ -146,7 +147,12 @@ class GradReducer:
         scratch = None
         if not f.stage.shard_optimizer:
             handle = ops.all_reduce(
-                buf, "avg", group=f.group, async_op=True, algorithm=self.algorithm, links=self.links
+                buf,
+                "avg",
+                group=f.group,
+                async_op=True,
+                algorithm=self.algorithm,
+                links=self.links.get(f.group.ranks),
             )
         elif not f.stage.shard_grads:
             handle = ops.reduce_scatter(

@@ -30,7 +30,7 @@ class NormReduction(Protocol):
 
     def counts(self, param: torch.Tensor) -> bool: ...
 
-    def reduce(self, sumsq: torch.Tensor) -> None: ...
+    def reduce(self, sumsq: torch.Tensor, within: Group | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -55,52 +55,64 @@ def _local_sumsq(f: FlatParam, g: torch.Tensor, norm: NormReduction | None) -> t
     return total
 
 
+def by_group(flats: list[FlatParam]) -> list[list[int]]:
+    """Indices of ``flats`` per data-parallel group (``FlatParam.group``), groups in order of
+    first appearance: the same order on every rank, so their collectives match."""
+    parts: dict[tuple[int, ...], list[int]] = {}
+    for i, f in enumerate(flats):
+        parts.setdefault(f.group.ranks, []).append(i)
+    return list(parts.values())
+
+
 def global_sumsq(
     flats: list[FlatParam], grads: list[torch.Tensor], norm: NormReduction | None = None
 ) -> float:
-    """Sum of squares of every reduced gradient, each parameter counted once. Communicates:
-    ``norm``'s all_reduces (one fp32 value per group splitting some parameter), then (optimizer
-    sharded) one all_reduce of one fp32 value over the shard group (each replica holds the same
-    reduced shards, so the replicate group is left out: nothing counted twice); with replicated
-    optimizer states every dp rank already has it."""
-    if not flats:
-        return 0.0
-    local = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
-    for f, g in zip(flats, grads):
-        local += _local_sumsq(f, g, norm)
-    f = flats[0]
-    t = local.to(f.device).reshape(1)
-    if norm is not None:
-        norm.reduce(t)
-    if f.stage.shard_optimizer:
-        ops.all_reduce(t, op="sum", group=f.group)
-    return float(t[0])
+    """Sum of squares of every reduced gradient, each parameter counted once, summed per
+    data-parallel group (``by_group``). Communicates, per group: ``norm``'s all_reduces (one
+    fp32 value per group splitting some parameter, those inside the dp group left out), then
+    (optimizer sharded) one all_reduce of one fp32 value over the shard group (each replica
+    holds the same reduced shards, so the replicate group is left out: nothing counted twice);
+    with replicated optimizer states every dp rank already has it."""
+    total = 0.0
+    for part in by_group(flats):
+        local = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+        for i in part:
+            local += _local_sumsq(flats[i], grads[i], norm)
+        f = flats[part[0]]
+        t = local.to(f.device).reshape(1)
+        if norm is not None:
+            norm.reduce(t, within=f.group)
+        if f.stage.shard_optimizer:
+            ops.all_reduce(t, op="sum", group=f.group)
+        total += float(t[0])
+    return total
 
 
 def used_anywhere(flats: list[FlatParam]) -> list[list[bool]]:
     """Per flat buffer, per parameter: did any rank produce a gradient for it since the last
     step. At stage 3 it also checks that every rank gathered the same buffers (``GatherLog``).
-    Communicates: one all_reduce (max) of one byte per parameter (plus 16 at stage 3) per
-    reduce group (``FlatParam.reduce_groups``)."""
-    if not flats:
-        return []
-    log = flats[0].log
-    bits = [u for f in flats for u in f.used]
-    lanes = log.lanes() if log is not None else []
-    t = torch.tensor(bits + lanes, dtype=torch.uint8, device=flats[0].device)
-    for g in flats[0].reduce_groups():
-        ops.all_reduce(t, op="max", group=g)
-    values = t.tolist()
-    if log is not None:
-        try:
-            log.check(values[len(bits) :])
-        finally:
-            log.reset()
-    flags = [bool(b) for b in values[: len(bits)]]
-    out, start = [], 0
-    for f in flats:
-        out.append(flags[start : start + len(f.used)])
-        start += len(f.used)
+    Communicates, per data-parallel group (``by_group``): one all_reduce (max) of one byte per
+    parameter (plus 16 at stage 3, first group) per reduce group
+    (``FlatParam.reduce_groups``)."""
+    out: list[list[bool]] = [[] for _ in flats]
+    log = flats[0].log if flats else None
+    for n, part in enumerate(by_group(flats)):
+        bits = [u for i in part for u in flats[i].used]
+        lanes = log.lanes() if log is not None and n == 0 else []
+        t = torch.tensor(bits + lanes, dtype=torch.uint8, device=flats[part[0]].device)
+        for g in flats[part[0]].reduce_groups():
+            ops.all_reduce(t, op="max", group=g)
+        values = t.tolist()
+        if lanes:
+            assert log is not None
+            try:
+                log.check(values[len(bits) :])
+            finally:
+                log.reset()
+        start = 0
+        for i in part:
+            out[i] = [bool(b) for b in values[start : start + len(flats[i].used)]]
+            start += len(flats[i].used)
     return out
 
 

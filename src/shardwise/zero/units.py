@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -51,13 +52,32 @@ def fill_buckets(named: Named, bucket_bytes: int) -> list[Named]:
     return out
 
 
-def buckets(model: nn.Module, bucket_bytes: int) -> list[tuple[Named, bool]]:
+def split_by(named: Named, key: Callable[[nn.Parameter], Hashable] | None) -> list[Named]:
+    """``named`` split by ``key`` of each parameter (its data-parallel group), parts in order
+    of first appearance, each keeping the order of ``named``; no key: one part."""
+    if key is None:
+        return [named] if named else []
+    parts: dict[Hashable, Named] = {}
+    for name, p in named:
+        parts.setdefault(key(p), []).append((name, p))
+    return list(parts.values())
+
+
+def buckets(
+    model: nn.Module, bucket_bytes: int, key: Callable[[nn.Parameter], Hashable] | None = None
+) -> list[tuple[Named, bool]]:
     """Parameter buckets for stages 0-2, in expected gradient-ready order (reverse registration
     order), with a trainable flag. Frozen parameters are not bucketed: they are neither reduced
-    nor updated."""
+    nor updated. ``key`` (a parameter's data-parallel group): a bucket holds parameters of one
+    key only; the buckets of all keys are ordered by their first parameter, so reductions over
+    every group still start as gradients become ready."""
     named = list(model.named_parameters())  # shared parameters appear once
     trainable, _ = _split_trainable(named)
-    return [(b, True) for b in fill_buckets(trainable[::-1], bucket_bytes)]
+    ordered = trainable[::-1]
+    found = [b for part in split_by(ordered, key) for b in fill_buckets(part, bucket_bytes)]
+    position = {id(p): i for i, (_, p) in enumerate(ordered)}
+    found.sort(key=lambda b: position[id(b[0][1])])  # stable: one key keeps fill order
+    return [(b, True) for b in found]
 
 
 def _has_params(m: nn.Module) -> bool:
