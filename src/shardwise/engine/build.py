@@ -156,8 +156,12 @@ def build_flats(
             by_name[spec.name] = mine
             flats += mine
         needs = [by_name[s.name] + [f for n in s.foreign for f in by_name[n]] for s in specs]
-        # reductions start in reverse registration order: roughly the backward order
-        flats = flats[::-1]
+        # reductions start in reverse registration order: roughly the backward order; the
+        # root unit last, whatever its registration: it holds what the forward uses first
+        # (embeddings), so backward finishes it last, and reductions start in list order,
+        # which would hold every other unit's full gradients and parameters until then
+        root = by_name.get(specs[-1].name, []) if specs[-1].module is model else []
+        flats = [f for f in flats[::-1] if f not in root] + root
         schedule = ParamSchedule(
             [s.module for s in specs], needs, config.prefetch_units, root=model
         )

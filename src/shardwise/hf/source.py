@@ -4,25 +4,27 @@
 index) or a plain ``.safetensors`` file and checks every header and the index up front. A rank
 then asks for exactly what it keeps: a box (a tensor-parallel slice) with :meth:`read_box`, or a
 flat element range of the row-major tensor (a ZeRO shard, which may start and end inside a row)
-with :meth:`read_flat`. Both read through ``safe_open(...).get_slice`` (memory-mapped: only the
-requested elements are copied out of the file) and convert dtype per slice, so a bf16 checkpoint
-fills fp32 masters without a full-size bf16 copy. ``bytes_read`` counts the bytes taken from the
-files, so tests can assert that a rank read its share and not the file.
+with :meth:`read_flat`. Both read only the requested elements with positioned reads (nothing is
+memory-mapped, so a per-process data limit counts only what is read) and convert dtype per
+slice, so a bf16 checkpoint fills fp32 masters without a full-size bf16 copy. ``bytes_read``
+counts the bytes taken from the files, so tests can assert that a rank read its share and not
+the file.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 from collections import OrderedDict
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
-from safetensors import safe_open
 
 from shardwise.checkpoint.entries import flat_range_boxes
+from shardwise.hf.box_read import read_box_from
 from shardwise.hf.errors import WeightsError
 from shardwise.hf.header import TensorInfo, read_header
 from shardwise.hf.model_dir import WeightFiles, weight_files
@@ -59,7 +61,7 @@ class SafetensorsSource(ClosesOnExit):
 
     Args:
         files: the files and, for shards, the index (from :func:`weight_files`).
-        max_open_files: how many files stay open (memory-mapped) at once.
+        max_open_files: how many files stay open at once.
 
     Raises:
         WeightsError: a damaged header, a truncated file, a tensor the index puts in a file
@@ -74,7 +76,7 @@ class SafetensorsSource(ClosesOnExit):
         self.bytes_read = 0
         """Bytes copied out of the files so far (in their stored dtypes)."""
         self._info = _tensor_infos(files)
-        self._handles: OrderedDict[Path, Any] = OrderedDict()
+        self._handles: OrderedDict[Path, int] = OrderedDict()
 
     def names(self) -> list[str]:
         """Every tensor name, sorted."""
@@ -98,7 +100,7 @@ class SafetensorsSource(ClosesOnExit):
 
     @property
     def open_file_count(self) -> int:
-        """Files open (memory-mapped) now; at most ``max_open_files``."""
+        """Files open now; at most ``max_open_files``."""
         return len(self._handles)
 
     @property
@@ -121,16 +123,7 @@ class SafetensorsSource(ClosesOnExit):
         check_conversion(info.dtype, target, info.file, name)
         if math.prod(shape) == 0:
             return torch.empty(shape, dtype=target)
-        handle = self._handle(info.file)
-        if not info.shape:  # a scalar: get_slice has nothing to index
-            values = handle.get_tensor(name)
-        else:
-            index = tuple(slice(o, o + s) for o, s in zip(offsets, shape))
-            values = handle.get_slice(name)[index]
-        if tuple(values.shape) != tuple(shape):
-            raise WeightsError(
-                f"read {tuple(values.shape)} where the box is {tuple(shape)}", info.file, name
-            )
+        values = read_box_from(self._handle(info.file), info, name, tuple(offsets), tuple(shape))
         self.bytes_read += values.numel() * values.element_size()
         return values.to(target)
 
@@ -163,22 +156,23 @@ class SafetensorsSource(ClosesOnExit):
         shape = self.shape(name)
         return self.read_box(name, (0,) * len(shape), shape, dtype)
 
-    def _handle(self, file: Path) -> Any:
+    def _handle(self, file: Path) -> int:
         if file in self._handles:
             self._handles.move_to_end(file)
             return self._handles[file]
         while len(self._handles) >= self.max_open_files:
-            self._handles.popitem(last=False)
+            os.close(self._handles.popitem(last=False)[1])
         try:
-            handle = safe_open(str(file), framework="pt")
-        except Exception as exc:  # safetensors raises its own error types
-            raise WeightsError(f"cannot open: {exc}", file) from exc
+            handle = os.open(file, os.O_RDONLY)
+        except OSError as exc:
+            raise WeightsError(f"cannot open: {exc.strerror or exc}", file) from exc
         self._handles[file] = handle
         return handle
 
     def close(self) -> None:
         """Release the open files."""
-        self._handles.clear()
+        while self._handles:
+            os.close(self._handles.popitem()[1])
 
 
 def open_weights(

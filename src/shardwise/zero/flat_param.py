@@ -70,15 +70,15 @@ def _resize_storage(t: torch.Tensor, numel: int) -> None:
     nbytes = numel * t.element_size()
     if storage.size() != nbytes:
         storage.resize_(nbytes)
+    if numel and t.numel() != numel:  # made by ``_unallocated``: its shape comes with storage
+        t.set_(storage, 0, (numel,), (1,))
 
 
-def _unallocated(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A 1-D tensor of ``numel`` elements whose storage holds nothing yet (gathered into later).
-    torch sizes a tensor's storage to its shape when it is made; ``empty`` never touches the
-    pages, and they are returned at once, so no values are ever held."""
-    t = torch.empty(numel, dtype=dtype, device=device)
-    t.untyped_storage().resize_(0)
-    return t
+def _unallocated(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty 1-D tensor whose storage holds nothing yet (gathered into later:
+    ``_resize_storage`` gives it its storage and shape together). Never allocated at its full
+    size, not even untouched: address space counts against a process's data limit."""
+    return torch.empty(0, dtype=dtype, device=device)
 
 
 def make_real(p: nn.Parameter, device: torch.device) -> None:
@@ -126,7 +126,7 @@ class FlatParam:
         else:
             self.opt_start, self.opt_stop = 0, self.padded
         if self.deferred and stage.shard_params:
-            self.full = _unallocated(self.padded, dtypes.param, self.device)
+            self.full = _unallocated(dtypes.param, self.device)
         else:
             self.full = torch.zeros(self.padded, dtype=dtypes.param, device=self.device)
         # The initial weights at full precision: the master copy starts from these, not from
