@@ -1,17 +1,21 @@
-"""``shardwise finetune`` end to end on 2 ranks: the run directory, a resume that continues
-the uninterrupted run's losses bit for bit, the adapter reloading in peft with the run's
-logits, and bad input refused in one line with nothing written."""
+"""``shardwise finetune`` end to end on 2 ranks: a run with a rank killed (-9) mid-run,
+resumed, gives the uninterrupted run's losses bit for bit (LoRA and full, packing); a LoRA
+checkpoint holds no base weight; the adapter / model reload in peft / transformers with the
+run's logits; bad input is refused in one line with nothing written."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from launcher_procs import Cli, wait_ranks
 
 from shardwise.finetune import demo
 
@@ -40,40 +44,69 @@ def _losses(run: Path) -> list[float]:
 
 
 COMMON = ("--seq-len", "64", "--micro-batch", "2", "--zero", "3", "--lr", "1e-2")
+STEPS = 6
+
+
+def _killed_mid_run(root: Path, args: tuple[str, ...], run: str) -> None:
+    """Start ``args`` with every checkpoint save stalled, SIGKILL rank 1 once step 3 is
+    recorded (mid-run, maybe mid-save); the launcher exits non-zero."""
+    env = {"PYTHONPATH": SRC, "SHARDWISE_CKPT_STALL_S": "1"}
+    cli = Cli("finetune", *args, "--run-dir", str(root / run), extra_env=env)
+    metrics = root / run / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and len(_losses(root / run)) >= 3):
+            assert cli.proc.poll() is None and time.monotonic() < deadline, cli.output[-3000:]
+            time.sleep(0.05)
+        rank1 = next(r for r in wait_ranks(cli, 2) if r.environ().get("RANK") == "1")
+        rank1.send_signal(signal.SIGKILL)
+        assert cli.finish() != 0, cli.output[-3000:]
+    finally:
+        cli.cleanup()
+    assert len(_losses(root / run)) < STEPS
 
 
 @pytest.mark.parametrize("how", [("--lora", LORA), ("--full",)])
-def test_resume_continues_bitwise_and_outputs_reload(root: Path, how: tuple[str, ...]) -> None:
+def test_killed_run_resumes_bitwise_and_outputs_reload(root: Path, how: tuple[str, ...]) -> None:
     name = how[0].strip("-")
-    args = ("llama", "--data", "chat.jsonl", *how, "--packing", *COMMON, "--checkpoint-every", "2")
-    whole = _cli(root, *args, "--steps", "4", "--run-dir", f"whole-{name}")
+    args = (str(root / "llama"), "--data", str(root / "chat.jsonl"), *how, "--packing", *COMMON)
+    args += ("--checkpoint-every", "2", "--steps", str(STEPS))
+    whole = _cli(root, *args, "--run-dir", f"whole-{name}")
     assert whole.returncode == 0, whole.stderr[-2000:]
-    part = _cli(root, *args, "--steps", "2", "--run-dir", f"part-{name}")
-    assert part.returncode == 0, part.stderr[-2000:]
-    resumed = _cli(root, "--run-dir", f"part-{name}", "--resume", "--steps", "4")
+    _killed_mid_run(root, args, f"part-{name}")
+    resumed = _cli(root, "--run-dir", f"part-{name}", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert _losses(root / f"part-{name}") == _losses(root / f"whole-{name}")
     # the outputs reload in peft / transformers with the final checkpoint's weights
     from transformers import AutoModelForCausalLM
 
+    from shardwise.checkpoint import CheckpointReader
     from shardwise.checkpoint.tools import read_consolidated
 
     run = root / f"whole-{name}"
-    state = read_consolidated(run / "checkpoints" / "step-00000004")
+    step_dir = run / "checkpoints" / f"step-{STEPS:08d}"
+    state = read_consolidated(step_dir)
     x = torch.tensor([[3, 40, 41, 42, 4, 5]])
     if name == "lora":
         from peft import PeftModel
 
         from shardwise.finetune.lora import LoraSpec, apply_lora
-        from shardwise.finetune.model import build_model, check_model_dir
 
+        # the checkpoint holds the adapters and their optimizer states, no base weight
+        with CheckpointReader(step_dir, verify=False) as reader:
+            stored = [n for n in reader.names() if n.startswith(("model/", "optim/"))]
+        assert stored and all(".lora_A." in n or ".lora_B." in n for n in stored)
         base = AutoModelForCausalLM.from_pretrained(root / "llama")
         loaded = PeftModel.from_pretrained(base, run / "adapter").eval()
-        mine = apply_lora(build_model(check_model_dir(root / "llama")), LoraSpec.parse(LORA))
+        mine = apply_lora(AutoModelForCausalLM.from_pretrained(root / "llama"), LoraSpec.parse(LORA))
+        assert set(state) < set(mine.state_dict())
+        mine.load_state_dict(state, strict=False)
+        assert (run / "adapter" / "tokenizer.json").is_file()
     else:
         loaded = AutoModelForCausalLM.from_pretrained(run / "model").eval()
         mine = AutoModelForCausalLM.from_pretrained(root / "llama")
-    mine.load_state_dict(state)
+        mine.load_state_dict(state)
+        assert (run / "model" / "tokenizer.json").is_file()
     with torch.no_grad():
         torch.testing.assert_close(loaded(x).logits, mine.eval()(x).logits, rtol=0, atol=1e-6)
 

@@ -132,6 +132,9 @@ def _new_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir]:
     given.setdefault("lr", DEFAULT_LR)
     opts = TrainOptions(weight_decay=0.0, **given)
     engine = train_cmd._engine_config(args, run_dir).replace(wrap_policy=blocks)
+    # LoRA: checkpoints hold the adapters (and their optimizer states); the frozen base is read
+    # from MODEL_DIR again on resume
+    engine = engine.replace(checkpoint_frozen=ft.lora is None)
     if args.activation_checkpointing:
         engine = engine.replace(activation_checkpointing=blocks)
     run = RunConfig(
