@@ -127,3 +127,34 @@ def test_bad_input_is_one_line_exit_2_nothing_written(root: Path, args, message)
     assert out.returncode == 2
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert not (root / "bad").exists()
+
+
+def _generate(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": SRC}
+    cmd = [sys.executable, "-m", "shardwise.cli.main", "generate", *args, "--tokens", "6"]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_demo_finetunes_and_generate_reads_runs_and_model_dirs(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "shardwise.cli.main", "finetune", "--demo", str(tmp_path)]
+        + ["--steps", "2", "--merge", "--micro-batch", "2"],
+        env={**os.environ, "PYTHONPATH": SRC},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    run = tmp_path / "run"
+    assert (run / "adapter" / "adapter_config.json").is_file()
+    assert len(_losses(run)) == 2
+    # the demo tokenizer was trained on the bundled corpus (Python source): it merges code
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "model")
+    code = "    return self"
+    assert len(tok) == 512 and len(tok(code, add_special_tokens=False)["input_ids"]) <= 4
+    for target, extra in ((run, ["--chat"]), (run / "model", []), (tmp_path / "model", [])):
+        got = _generate(str(target), "--prompt", "the quick", "--temperature", "0", *extra)
+        assert got.returncode == 0, got.stderr[-2000:]
+        assert "# weights from" in got.stderr and got.stdout.strip()

@@ -63,7 +63,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--packing", action="store_true", help="pack examples into --seq-len rows")
     d.add_argument("--train-on-prompt", action="store_true", help="loss on prompts too")
     d.add_argument("--skip-bad-lines", action="store_true", help="skip malformed records")
+    d.add_argument(
+        "--demo",
+        type=Path,
+        metavar="DIR",
+        help="write a tiny Llama, its tokenizer and an instruction dataset into DIR, then "
+        "fine-tune it (LoRA unless --full; run directory DIR/run)",
+    )
     del groups
+
+
+def _demo(args: argparse.Namespace) -> None:
+    """``--demo DIR``: write the demo model and data, and point the run at them."""
+    from shardwise.finetune import demo
+
+    if args.model_dir is not None or args.data is not None:
+        raise ValueError("--demo brings its own model and data: leave MODEL_DIR and --data out")
+    args.model_dir, data = demo.write_demo(args.demo)
+    args.data = str(data)
+    if not args.lora and not args.full:
+        args.lora = demo.DEMO_LORA
+    args.run_dir = args.run_dir or args.demo / "run"
+    args.seq_len = args.seq_len or 64
+    args.steps = args.steps or 20
 
 
 def _finetune_options(args: argparse.Namespace) -> Any:
@@ -155,7 +177,9 @@ def _new_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir]:
 def run_finetune(args: argparse.Namespace) -> int:
     train_cmd._check_engine_flags(args)
     if args.resume:
-        given = [f for f in ("lora", "full", "merge", "packing", "data") if getattr(args, f)]
+        given = [
+            f for f in ("lora", "full", "merge", "packing", "data", "demo") if getattr(args, f)
+        ]
         if given:
             raise ValueError(f"--{given[0]} cannot change when resuming: the run keeps its own")
         args.auto = False
@@ -163,6 +187,8 @@ def run_finetune(args: argparse.Namespace) -> int:
         if run.finetune is None:
             raise ValueError(f"{run_dir.root} is a shardwise train run: resume it with train")
     else:
+        if args.demo is not None:
+            _demo(args)
         run, run_dir = _new_run(args)
     ft = run.finetune or {}
     how = f"LoRA {ft.get('lora')}" if ft.get("lora") else "full"

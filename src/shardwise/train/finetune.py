@@ -13,6 +13,7 @@ import torch
 
 from shardwise.comm import ops
 from shardwise.finetune.collator import nll_sum
+from shardwise.finetune.generate import ADAPTER_DIR, MODEL_DIR
 from shardwise.finetune.model import load_tokenizer
 from shardwise.finetune.options import FinetuneOptions
 from shardwise.finetune.pipeline import TrainingData, load_training_data
@@ -23,11 +24,6 @@ from shardwise.train.loop import Trainer
 from shardwise.train.parallel import BuiltModel
 
 log = logging.getLogger("shardwise.train")
-
-ADAPTER_DIR = "adapter"
-"""Under the run directory: the LoRA adapter ``PeftModel.from_pretrained`` loads."""
-MODEL_DIR = "model"
-"""Under the run directory: the full (or merged) model ``from_pretrained`` loads."""
 
 
 class FinetuneTrainer(Trainer):
