@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,8 +34,20 @@ def _cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("ftcli")
-    demo.model_dir(root, "llama")
+    llama = demo.model_dir(root, "llama")
     demo.write_jsonl(root / "chat.jsonl", demo.chat_records(24))
+    # broken copies of the model directory, for the bad-input cases
+    shutil.copytree(llama, root / "alien")
+    config = json.loads((root / "alien" / "config.json").read_text())
+    (root / "alien" / "config.json").write_text(json.dumps({**config, "model_type": "nosuch"}))
+    shutil.copytree(llama, root / "notok")
+    (root / "notok" / "tokenizer.json").unlink()
+    shutil.copytree(llama, root / "nochat")
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (root / "nochat" / f).unlink(missing_ok=True)
+    demo.tokenizer(chat=False).save_pretrained(root / "nochat")
+    long = {"prompt": " ".join(["the quick brown fox"] * 40), "completion": " dog"}
+    demo.write_jsonl(root / "masked.jsonl", [long] * 8)
     return root
 
 
@@ -119,6 +132,10 @@ def test_killed_run_resumes_bitwise_and_outputs_reload(root: Path, how: tuple[st
         (("nowhere", "--data", "chat.jsonl", "--full"), "has no config.json"),
         (("llama", "--data", "empty.jsonl", "--full"), "holds no example"),
         (("llama", "--data", "chat.jsonl", "--full", "--merge"), "needs --lora"),
+        (("alien", "--data", "chat.jsonl", "--full"), "model type transformers does not know"),
+        (("notok", "--data", "chat.jsonl", "--full"), "has no tokenizer.json"),
+        (("nochat", "--data", "chat.jsonl", "--full"), "the tokenizer has no chat template"),
+        (("llama", "--data", "masked.jsonl", "--full", "--seq-len", "64"), "all its labels masked"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_nothing_written(root: Path, args, message) -> None:
