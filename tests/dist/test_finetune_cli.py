@@ -175,3 +175,14 @@ def test_demo_finetunes_and_generate_reads_runs_and_model_dirs(tmp_path: Path) -
         got = _generate(str(target), "--prompt", "the quick", "--temperature", "0", *extra)
         assert got.returncode == 0, got.stderr[-2000:]
         assert "# weights from" in got.stderr and got.stdout.strip()
+
+
+def test_finetune_function_refuses_bad_input_like_the_command(root: Path) -> None:
+    from shardwise.cli.finetune_cmd import finetune
+
+    run = root / "bad-fn"
+    with pytest.raises(ValueError, match="choose one of"):
+        finetune(root / "llama", root / "chat.jsonl", lora=LORA, full=True, run_dir=run)
+    with pytest.raises(ValueError, match="has no tokenizer.json"):
+        finetune(root / "notok", root / "chat.jsonl", full=True, run_dir=run)
+    assert not run.exists()

@@ -198,3 +198,33 @@ def run_finetune(args: argparse.Namespace) -> int:
         f"{run.train.steps} steps of {run.global_batch_size} sequences"
     )
     return train_cmd.launch_run(args, run, run_dir, "finetune", headline)
+
+
+def finetune(model_dir: str | Path, data: str | Path, **options: Any) -> Path:
+    """Fine-tune as ``shardwise finetune MODEL_DIR --data DATA`` does, from Python: each
+    keyword is the command's option (``lora="r=8,targets=q_proj,v_proj"``, ``steps=20``,
+    ``packing=True``, ``run_dir=...``; True for a flag, None or False to leave it out).
+    Launches the ranks and waits for them. Returns the run directory.
+
+    Raises:
+        ValueError: bad input (the command's one-line message), or the run failing.
+    """
+    from shardwise.cli.main import build_parser
+
+    argv = ["finetune", str(model_dir), "--data", str(data)]
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not None and value is not False:
+            argv += [flag, str(value)]
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit:
+        raise ValueError(f"shardwise finetune does not take these options: {options}") from None
+    if args.run_dir is None:
+        args.run_dir = new_run_dir().root
+    code = run_finetune(args)
+    if code != 0:
+        raise ValueError(f"the fine-tuning run in {args.run_dir} failed (exit code {code})")
+    return Path(args.run_dir)
