@@ -133,6 +133,7 @@ def test_killed_run_resumes_bitwise_and_outputs_reload(root: Path, how: tuple[st
         (("llama", "--data", "empty.jsonl", "--full"), "holds no example"),
         (("llama", "--data", "chat.jsonl", "--full", "--merge"), "needs --lora"),
         (("alien", "--data", "chat.jsonl", "--full"), "model type transformers does not know"),
+        (("llama", "--data", "chat.jsonl", "--lora", LORA, "--tp", "2"), "layers.0.self_attn.q_proj"),
         (("notok", "--data", "chat.jsonl", "--full"), "has no tokenizer.json"),
         (("nochat", "--data", "chat.jsonl", "--full"), "the tokenizer has no chat template"),
         (("llama", "--data", "masked.jsonl", "--full", "--seq-len", "64"), "all its labels masked"),

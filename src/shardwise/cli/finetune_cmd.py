@@ -108,7 +108,7 @@ def _finetune_options(args: argparse.Namespace) -> Any:
     )
 
 
-def _check_inputs(ft: Any, data: str, seq_len: int | None) -> tuple[int, list[str]]:
+def _check_inputs(ft: Any, data: str, seq_len: int | None, tp: int) -> tuple[int, list[str]]:
     """Read and check the model directory, tokenizer, data and LoRA targets as the ranks will;
     returns the sequence length and the decoder layer classes."""
     import torch
@@ -118,6 +118,7 @@ def _check_inputs(ft: Any, data: str, seq_len: int | None) -> tuple[int, list[st
     from shardwise.finetune.model import check_model_dir, decoder_layer_classes, load_tokenizer
     from shardwise.finetune.options import DEFAULT_SEQ_LEN
     from shardwise.finetune.pipeline import load_training_data
+    from shardwise.finetune.setup import lora_tp_refusal
 
     config = check_model_dir(Path(ft.model_dir))
     context = getattr(config, "max_position_embeddings", None) or DEFAULT_SEQ_LEN
@@ -134,6 +135,8 @@ def _check_inputs(ft: Any, data: str, seq_len: int | None) -> tuple[int, list[st
         model = AutoModelForCausalLM.from_config(config)
     if ft.lora_spec is not None:
         check_targets(model, ft.lora_spec)
+        if tp > 1:
+            raise ValueError(lora_tp_refusal(model, ft.lora_spec))
     return seq_len, decoder_layer_classes(model)
 
 
@@ -147,7 +150,7 @@ def _new_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir]:
     if not Path(args.data).is_file():
         raise ValueError(f"--data {args.data} does not exist")
     data = str(Path(args.data).resolve())
-    seq_len, blocks = _check_inputs(ft, data, args.seq_len)
+    seq_len, blocks = _check_inputs(ft, data, args.seq_len, args.tp or 1)
     given = {k: v for k, v in vars(args).items() if k in SHARED_TRAIN_FLAGS and v is not None}
     given.update(seq_len=seq_len, data=data)
     given.setdefault("steps", DEFAULT_STEPS)

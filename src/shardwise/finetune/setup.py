@@ -55,6 +55,18 @@ class FinetuneModel:
         return {"weights": weights, "strict": self.lora is None, "init_fn": self.init_fn}
 
 
+def lora_tp_refusal(model: torch.nn.Module, lora: LoraSpec) -> str:
+    """The one line refusing LoRA under tensor parallelism, naming the first adapted layer."""
+    first = next(
+        (n for n, _ in model.named_modules() if any(n.endswith("." + t) for t in lora.targets)),
+        ", ".join(lora.targets),
+    )
+    return (
+        f"--lora with --tp is not supported yet: the adapted layer {first} is split over tp; "
+        "use --tp 1 with --lora, or --full with --tp"
+    )
+
+
 def check_base_weights(model: torch.nn.Module, model_dir: Path) -> None:
     """Every tensor of ``model`` (a meta model is fine) is in ``model_dir`` with its shape, and
     nothing else is: ``WeightsError`` naming the differences. Reads the file headers only."""
@@ -77,10 +89,7 @@ def build_finetune_model(
     init_fn = None
     if lora is not None:
         if mesh.tp_size > 1:
-            raise ValueError(
-                "--lora with --tp is not supported yet: LoRA adapters on tp-split layers are "
-                "refused; use --tp 1 with --lora, or --full with --tp"
-            )
+            raise ValueError(lora_tp_refusal(model, lora))
         model = apply_lora(model, lora)
         init_fn = adapter_init_fn(model, seed)
     tensor = None
