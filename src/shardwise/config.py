@@ -91,6 +91,10 @@ class Config:
     """Save a checkpoint every this many optimizer steps (0: never automatically)."""
     keep_last: int | None = 3
     """Keep this many committed checkpoints (None: keep all)."""
+    checkpoint_frozen: bool = True
+    """Save frozen (requires_grad=False) parameters in checkpoints; False: only trainable ones
+    (and their optimizer states), and a load keeps the frozen parameters' current values, so
+    give them first (``initialize(weights=...)``: the base of a LoRA model)."""
     async_save: bool = False
     """Write checkpoints from a background thread while training continues."""
     resume: str = "never"

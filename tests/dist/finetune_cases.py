@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 import shardwise
-from shardwise.finetune.lora import LoraSpec, apply_lora
+from shardwise.finetune.lora import LoraSpec, apply_lora, init_adapters
 from shardwise.finetune.model import build_model, check_model_dir, load_base_weights, load_tokenizer
 from shardwise.finetune.pipeline import load_training_data
 from shardwise.finetune.setup import build_finetune_model
@@ -45,7 +45,7 @@ def engine_losses(
         gradient_accumulation_steps=accum,
         wrap_policy=fm.wrap_policy,
     )
-    engine = shardwise.initialize(fm.parallelized, opt, cfg)
+    engine = shardwise.initialize(fm.parallelized, opt, cfg, **fm.initialize_kwargs())
     dp = mesh.group(Axis.DP)
     sampler = data.sampler(micro, dp.rank, dp.size, seed=5, grad_accum=accum)
     out = []
@@ -79,8 +79,8 @@ def reference_losses(
     model = build_model(check_model_dir(Path(model_dir)), 1)
     load_base_weights(model, Path(model_dir))
     if lora:
-        torch.manual_seed(1)
         model = apply_lora(model, LoraSpec.parse(lora))
+        init_adapters(model, 1)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
     sampler = data.sampler(micro, 0, 1, seed=5, grad_accum=dp * accum)

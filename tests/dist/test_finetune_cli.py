@@ -1,17 +1,22 @@
-"""``shardwise finetune`` end to end on 2 ranks: the run directory, a resume that continues
-the uninterrupted run's losses bit for bit, the adapter reloading in peft with the run's
-logits, and bad input refused in one line with nothing written."""
+"""``shardwise finetune`` end to end on 2 ranks: a run with a rank killed (-9) mid-run,
+resumed, gives the uninterrupted run's losses bit for bit (LoRA and full, packing); a LoRA
+checkpoint holds no base weight; the adapter / model reload in peft / transformers with the
+run's logits; bad input is refused in one line with nothing written."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from launcher_procs import Cli, wait_ranks
 
 from shardwise.finetune import demo
 
@@ -29,8 +34,20 @@ def _cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("ftcli")
-    demo.model_dir(root, "llama")
+    llama = demo.model_dir(root, "llama")
     demo.write_jsonl(root / "chat.jsonl", demo.chat_records(24))
+    # broken copies of the model directory, for the bad-input cases
+    shutil.copytree(llama, root / "alien")
+    config = json.loads((root / "alien" / "config.json").read_text())
+    (root / "alien" / "config.json").write_text(json.dumps({**config, "model_type": "nosuch"}))
+    shutil.copytree(llama, root / "notok")
+    (root / "notok" / "tokenizer.json").unlink()
+    shutil.copytree(llama, root / "nochat")
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (root / "nochat" / f).unlink(missing_ok=True)
+    demo.tokenizer(chat=False).save_pretrained(root / "nochat")
+    long = {"prompt": " ".join(["the quick brown fox"] * 40), "completion": " dog"}
+    demo.write_jsonl(root / "masked.jsonl", [long] * 8)
     return root
 
 
@@ -40,40 +57,69 @@ def _losses(run: Path) -> list[float]:
 
 
 COMMON = ("--seq-len", "64", "--micro-batch", "2", "--zero", "3", "--lr", "1e-2")
+STEPS = 6
+
+
+def _killed_mid_run(root: Path, args: tuple[str, ...], run: str) -> None:
+    """Start ``args`` with every checkpoint save stalled, SIGKILL rank 1 once step 3 is
+    recorded (mid-run, maybe mid-save); the launcher exits non-zero."""
+    env = {"PYTHONPATH": SRC, "SHARDWISE_CKPT_STALL_S": "1"}
+    cli = Cli("finetune", *args, "--run-dir", str(root / run), extra_env=env)
+    metrics = root / run / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and len(_losses(root / run)) >= 3):
+            assert cli.proc.poll() is None and time.monotonic() < deadline, cli.output[-3000:]
+            time.sleep(0.05)
+        rank1 = next(r for r in wait_ranks(cli, 2) if r.environ().get("RANK") == "1")
+        rank1.send_signal(signal.SIGKILL)
+        assert cli.finish() != 0, cli.output[-3000:]
+    finally:
+        cli.cleanup()
+    assert len(_losses(root / run)) < STEPS
 
 
 @pytest.mark.parametrize("how", [("--lora", LORA), ("--full",)])
-def test_resume_continues_bitwise_and_outputs_reload(root: Path, how: tuple[str, ...]) -> None:
+def test_killed_run_resumes_bitwise_and_outputs_reload(root: Path, how: tuple[str, ...]) -> None:
     name = how[0].strip("-")
-    args = ("llama", "--data", "chat.jsonl", *how, "--packing", *COMMON, "--checkpoint-every", "2")
-    whole = _cli(root, *args, "--steps", "4", "--run-dir", f"whole-{name}")
+    args = (str(root / "llama"), "--data", str(root / "chat.jsonl"), *how, "--packing", *COMMON)
+    args += ("--checkpoint-every", "2", "--steps", str(STEPS))
+    whole = _cli(root, *args, "--run-dir", f"whole-{name}")
     assert whole.returncode == 0, whole.stderr[-2000:]
-    part = _cli(root, *args, "--steps", "2", "--run-dir", f"part-{name}")
-    assert part.returncode == 0, part.stderr[-2000:]
-    resumed = _cli(root, "--run-dir", f"part-{name}", "--resume", "--steps", "4")
+    _killed_mid_run(root, args, f"part-{name}")
+    resumed = _cli(root, "--run-dir", f"part-{name}", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert _losses(root / f"part-{name}") == _losses(root / f"whole-{name}")
     # the outputs reload in peft / transformers with the final checkpoint's weights
     from transformers import AutoModelForCausalLM
 
+    from shardwise.checkpoint import CheckpointReader
     from shardwise.checkpoint.tools import read_consolidated
 
     run = root / f"whole-{name}"
-    state = read_consolidated(run / "checkpoints" / "step-00000004")
+    step_dir = run / "checkpoints" / f"step-{STEPS:08d}"
+    state = read_consolidated(step_dir)
     x = torch.tensor([[3, 40, 41, 42, 4, 5]])
     if name == "lora":
         from peft import PeftModel
 
         from shardwise.finetune.lora import LoraSpec, apply_lora
-        from shardwise.finetune.model import build_model, check_model_dir
 
+        # the checkpoint holds the adapters and their optimizer states, no base weight
+        with CheckpointReader(step_dir, verify=False) as reader:
+            stored = [n for n in reader.names() if n.startswith(("model/", "optim/"))]
+        assert stored and all(".lora_A." in n or ".lora_B." in n for n in stored)
         base = AutoModelForCausalLM.from_pretrained(root / "llama")
         loaded = PeftModel.from_pretrained(base, run / "adapter").eval()
-        mine = apply_lora(build_model(check_model_dir(root / "llama")), LoraSpec.parse(LORA))
+        mine = apply_lora(AutoModelForCausalLM.from_pretrained(root / "llama"), LoraSpec.parse(LORA))
+        assert set(state) < set(mine.state_dict())
+        mine.load_state_dict(state, strict=False)
+        assert (run / "adapter" / "tokenizer.json").is_file()
     else:
         loaded = AutoModelForCausalLM.from_pretrained(run / "model").eval()
         mine = AutoModelForCausalLM.from_pretrained(root / "llama")
-    mine.load_state_dict(state)
+        mine.load_state_dict(state)
+        assert (run / "model" / "tokenizer.json").is_file()
     with torch.no_grad():
         torch.testing.assert_close(loaded(x).logits, mine.eval()(x).logits, rtol=0, atol=1e-6)
 
@@ -86,6 +132,11 @@ def test_resume_continues_bitwise_and_outputs_reload(root: Path, how: tuple[str,
         (("nowhere", "--data", "chat.jsonl", "--full"), "has no config.json"),
         (("llama", "--data", "empty.jsonl", "--full"), "holds no example"),
         (("llama", "--data", "chat.jsonl", "--full", "--merge"), "needs --lora"),
+        (("alien", "--data", "chat.jsonl", "--full"), "model type transformers does not know"),
+        (("llama", "--data", "chat.jsonl", "--lora", LORA, "--tp", "2"), "layers.0.self_attn.q_proj"),
+        (("notok", "--data", "chat.jsonl", "--full"), "has no tokenizer.json"),
+        (("nochat", "--data", "chat.jsonl", "--full"), "the tokenizer has no chat template"),
+        (("llama", "--data", "masked.jsonl", "--full", "--seq-len", "64"), "all its labels masked"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_nothing_written(root: Path, args, message) -> None:
@@ -94,3 +145,45 @@ def test_bad_input_is_one_line_exit_2_nothing_written(root: Path, args, message)
     assert out.returncode == 2
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert not (root / "bad").exists()
+
+
+def _generate(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": SRC}
+    cmd = [sys.executable, "-m", "shardwise.cli.main", "generate", *args, "--tokens", "6"]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_demo_finetunes_and_generate_reads_runs_and_model_dirs(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "shardwise.cli.main", "finetune", "--demo", str(tmp_path)]
+        + ["--steps", "2", "--merge", "--micro-batch", "2"],
+        env={**os.environ, "PYTHONPATH": SRC},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    run = tmp_path / "run"
+    assert (run / "adapter" / "adapter_config.json").is_file()
+    assert len(_losses(run)) == 2
+    # the demo tokenizer was trained on the bundled corpus (Python source): it merges code
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "model")
+    code = "    return self"
+    assert len(tok) == 512 and len(tok(code, add_special_tokens=False)["input_ids"]) <= 4
+    for target, extra in ((run, ["--chat"]), (run / "model", []), (tmp_path / "model", [])):
+        got = _generate(str(target), "--prompt", "the quick", "--temperature", "0", *extra)
+        assert got.returncode == 0, got.stderr[-2000:]
+        assert "# weights from" in got.stderr and got.stdout.strip()
+
+
+def test_finetune_function_refuses_bad_input_like_the_command(root: Path) -> None:
+    from shardwise.cli.finetune_cmd import finetune
+
+    run = root / "bad-fn"
+    with pytest.raises(ValueError, match="choose one of"):
+        finetune(root / "llama", root / "chat.jsonl", lora=LORA, full=True, run_dir=run)
+    with pytest.raises(ValueError, match="has no tokenizer.json"):
+        finetune(root / "notok", root / "chat.jsonl", full=True, run_dir=run)
+    assert not run.exists()

@@ -59,3 +59,12 @@ def test_lora_under_tp_is_refused_in_one_line(dirs) -> None:
 
     with pytest.raises(RankError, match="--lora with --tp is not supported"):
         run_on_ranks(2, fc.engine_losses, str(dirs["llama"]), str(dirs["prompt"]), LORA, tp=2)
+
+
+def test_lora_at_zero1_equals_transformers(dirs) -> None:
+    """Stages 0-2 keep the frozen base outside the flat buffers (made real from the meta
+    build, then streamed)."""
+    args = (str(dirs["llama"]), str(dirs["prompt"]), LORA)
+    got = run_on_ranks(2, fc.engine_losses, *args, zero=1, timeout_s=300)
+    want, _ = fc.reference_losses(*args)
+    assert got[0] == pytest.approx(want, rel=1e-5)

@@ -63,7 +63,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--packing", action="store_true", help="pack examples into --seq-len rows")
     d.add_argument("--train-on-prompt", action="store_true", help="loss on prompts too")
     d.add_argument("--skip-bad-lines", action="store_true", help="skip malformed records")
+    d.add_argument(
+        "--demo",
+        type=Path,
+        metavar="DIR",
+        help="write a tiny Llama, its tokenizer and an instruction dataset into DIR, then "
+        "fine-tune it (LoRA unless --full; run directory DIR/run)",
+    )
     del groups
+
+
+def _demo(args: argparse.Namespace) -> None:
+    """``--demo DIR``: write the demo model and data, and point the run at them."""
+    from shardwise.finetune import demo
+
+    if args.model_dir is not None or args.data is not None:
+        raise ValueError("--demo brings its own model and data: leave MODEL_DIR and --data out")
+    args.model_dir, data = demo.write_demo(args.demo)
+    args.data = str(data)
+    if not args.lora and not args.full:
+        args.lora = demo.DEMO_LORA
+    args.run_dir = args.run_dir or args.demo / "run"
+    args.seq_len = args.seq_len or 64
+    args.steps = args.steps or 20
 
 
 def _finetune_options(args: argparse.Namespace) -> Any:
@@ -86,7 +108,7 @@ def _finetune_options(args: argparse.Namespace) -> Any:
     )
 
 
-def _check_inputs(ft: Any, data: str, seq_len: int | None) -> tuple[int, list[str]]:
+def _check_inputs(ft: Any, data: str, seq_len: int | None, tp: int) -> tuple[int, list[str]]:
     """Read and check the model directory, tokenizer, data and LoRA targets as the ranks will;
     returns the sequence length and the decoder layer classes."""
     import torch
@@ -96,6 +118,7 @@ def _check_inputs(ft: Any, data: str, seq_len: int | None) -> tuple[int, list[st
     from shardwise.finetune.model import check_model_dir, decoder_layer_classes, load_tokenizer
     from shardwise.finetune.options import DEFAULT_SEQ_LEN
     from shardwise.finetune.pipeline import load_training_data
+    from shardwise.finetune.setup import lora_tp_refusal
 
     config = check_model_dir(Path(ft.model_dir))
     context = getattr(config, "max_position_embeddings", None) or DEFAULT_SEQ_LEN
@@ -112,6 +135,8 @@ def _check_inputs(ft: Any, data: str, seq_len: int | None) -> tuple[int, list[st
         model = AutoModelForCausalLM.from_config(config)
     if ft.lora_spec is not None:
         check_targets(model, ft.lora_spec)
+        if tp > 1:
+            raise ValueError(lora_tp_refusal(model, ft.lora_spec))
     return seq_len, decoder_layer_classes(model)
 
 
@@ -125,13 +150,16 @@ def _new_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir]:
     if not Path(args.data).is_file():
         raise ValueError(f"--data {args.data} does not exist")
     data = str(Path(args.data).resolve())
-    seq_len, blocks = _check_inputs(ft, data, args.seq_len)
+    seq_len, blocks = _check_inputs(ft, data, args.seq_len, args.tp or 1)
     given = {k: v for k, v in vars(args).items() if k in SHARED_TRAIN_FLAGS and v is not None}
     given.update(seq_len=seq_len, data=data)
     given.setdefault("steps", DEFAULT_STEPS)
     given.setdefault("lr", DEFAULT_LR)
     opts = TrainOptions(weight_decay=0.0, **given)
     engine = train_cmd._engine_config(args, run_dir).replace(wrap_policy=blocks)
+    # LoRA: checkpoints hold the adapters (and their optimizer states); the frozen base is read
+    # from MODEL_DIR again on resume
+    engine = engine.replace(checkpoint_frozen=ft.lora is None)
     if args.activation_checkpointing:
         engine = engine.replace(activation_checkpointing=blocks)
     run = RunConfig(
@@ -152,7 +180,9 @@ def _new_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir]:
 def run_finetune(args: argparse.Namespace) -> int:
     train_cmd._check_engine_flags(args)
     if args.resume:
-        given = [f for f in ("lora", "full", "merge", "packing", "data") if getattr(args, f)]
+        given = [
+            f for f in ("lora", "full", "merge", "packing", "data", "demo") if getattr(args, f)
+        ]
         if given:
             raise ValueError(f"--{given[0]} cannot change when resuming: the run keeps its own")
         args.auto = False
@@ -160,6 +190,8 @@ def run_finetune(args: argparse.Namespace) -> int:
         if run.finetune is None:
             raise ValueError(f"{run_dir.root} is a shardwise train run: resume it with train")
     else:
+        if args.demo is not None:
+            _demo(args)
         run, run_dir = _new_run(args)
     ft = run.finetune or {}
     how = f"LoRA {ft.get('lora')}" if ft.get("lora") else "full"
@@ -169,3 +201,33 @@ def run_finetune(args: argparse.Namespace) -> int:
         f"{run.train.steps} steps of {run.global_batch_size} sequences"
     )
     return train_cmd.launch_run(args, run, run_dir, "finetune", headline)
+
+
+def finetune(model_dir: str | Path, data: str | Path, **options: Any) -> Path:
+    """Fine-tune as ``shardwise finetune MODEL_DIR --data DATA`` does, from Python: each
+    keyword is the command's option (``lora="r=8,targets=q_proj,v_proj"``, ``steps=20``,
+    ``packing=True``, ``run_dir=...``; True for a flag, None or False to leave it out).
+    Launches the ranks and waits for them. Returns the run directory.
+
+    Raises:
+        ValueError: bad input (the command's one-line message), or the run failing.
+    """
+    from shardwise.cli.main import build_parser
+
+    argv = ["finetune", str(model_dir), "--data", str(data)]
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not None and value is not False:
+            argv += [flag, str(value)]
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit:
+        raise ValueError(f"shardwise finetune does not take these options: {options}") from None
+    if args.run_dir is None:
+        args.run_dir = new_run_dir().root
+    code = run_finetune(args)
+    if code != 0:
+        raise ValueError(f"the fine-tuning run in {args.run_dir} failed (exit code {code})")
+    return Path(args.run_dir)

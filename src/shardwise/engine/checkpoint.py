@@ -61,6 +61,7 @@ from shardwise.zero.checkpoint_entries import (
     load_flats,
     load_replicated,
     replicated_entries,
+    saved_flats,
 )
 from shardwise.zero.step import zero_grads
 
@@ -117,8 +118,8 @@ def save_engine(
     _check_saveable(engine)
     names = ModelNames.of(engine.module)
     layouts = engine.placements.layouts(engine.module, engine.zero_group)
-    flats = list(engine.flats)
-    entries, local = flat_entries(flats, engine.optimizer, names, layouts)
+    flats, frozen = list(engine.flats), engine.config.checkpoint_frozen
+    entries, local = flat_entries(saved_flats(flats, frozen), engine.optimizer, names, layouts)
     entries += replicated_entries(
         engine.module,
         flats,
@@ -127,6 +128,7 @@ def save_engine(
         engine.shard_group.size,
         layouts,
         {n: b for n, b in names.buffers.items() if engine.writes_buffer(n)},
+        frozen,
     )
     state = trainer_state(engine, names, gather_scalars(engine, local), sampler, extra)
     step = engine.steps.global_step
@@ -228,15 +230,18 @@ def load_engine(
         _verify_together(step_dir, engine.save_group)
     names = ModelNames.of(engine.module)
     layouts = engine.placements.layouts(engine.module, engine.zero_group)
-    flats = list(engine.flats)
+    flats, frozen = list(engine.flats), engine.config.checkpoint_frozen
     with CheckpointReader(step_dir, verify=False) as reader:
         state = reader.trainer_state
         saved_world = reader.world_size  # every rank that wrote a file: dp x tp x pp of then
         _check_format(state, engine, step_dir)
-        check_model_matches(reader, whole_model_entries(engine, names, layouts))
+        expected = whole_model_entries(engine, names, layouts)
+        # without frozen parameters, a checkpoint that holds them loads too (they are skipped)
+        kept = whole_model_entries(engine, names, layouts, frozen) if not frozen else expected
+        check_model_matches(reader, kept, ignored=set(expected) - set(kept))
         scalars = state["optimizer"]["scalar_states"]
-        load_flats(flats, engine.optimizer, reader, names, scalars, layouts)
-        load_replicated(engine.module, flats, reader, names, layouts)
+        load_flats(saved_flats(flats, frozen), engine.optimizer, reader, names, scalars, layouts)
+        load_replicated(engine.module, flats, reader, names, layouts, frozen)
         handles = [f.publish_master() for f in flats]
         for h in handles:
             if h is not None:

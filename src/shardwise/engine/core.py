@@ -116,12 +116,12 @@ class Engine(CheckpointMethods):
             deferred=self.device if self.deferred else None,
             group_of=self.placements.zero_group,
         )
-        param_access.claim(model)
         self._where: dict[int, tuple[FlatParam, ParamSlot]] = {
             id(p): (f, s) for f in self.flats for s, p in zip(f.slots, f.params)
         }
-        if self.deferred:
+        if self.deferred:  # before the claim: a claimed (weakly referenced) tensor can't swap
             materialize.outside_flats(model, set(self._where), self.device)
+        param_access.claim(model)
         self.norm = self.placements.norm_reduction(model)
         self._state_dict_hooks = param_access.guard_state_dict(model, self.flats)
         cast_outside_flats(model, set(self._where), self.dtypes.param)

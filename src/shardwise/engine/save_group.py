@@ -26,11 +26,15 @@ def gather_scalars(engine: CheckpointState, local: ScalarStates) -> ScalarStates
 
 
 def whole_model_entries(
-    engine: CheckpointState, names: ModelNames, layouts: dict[int, ParamLayout]
+    engine: CheckpointState,
+    names: ModelNames,
+    layouts: dict[int, ParamLayout],
+    frozen: bool = True,
 ) -> dict[str, tuple[int, ...]]:
-    """Stored names and shapes of the whole model: every pipeline stage's. Communicates (pp >
-    1): one all_gather_object over the pp group."""
-    mine = expected_entries(engine.module, names, layouts)
+    """Stored names and shapes of the whole model: every pipeline stage's (``frozen=False``:
+    without frozen parameters). Communicates (pp > 1): one all_gather_object over the pp
+    group."""
+    mine = expected_entries(engine.module, names, layouts, frozen)
     if engine.pp_group is None:
         return mine
     merged: dict[str, tuple[int, ...]] = {}

@@ -116,3 +116,30 @@ def model_dir(root: Path, kind: str) -> Path:
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out
+
+
+DEMO_LORA = "r=8,alpha=16,dropout=0.0,targets=q_proj,v_proj"
+"""``shardwise finetune --demo``'s adapters unless ``--lora`` / ``--full`` says otherwise."""
+
+
+def corpus_tokenizer(max_bytes: int = 300_000) -> Any:
+    """A 512-token BPE tokenizer (ChatML template) trained on the bundled corpus's text
+    (``shardwise.data.load_corpus``, its first ``max_bytes`` bytes) and the demo sentences."""
+    from shardwise.data import load_corpus
+
+    raw = bytes(load_corpus(max_bytes=max_bytes).train.tolist()).decode("utf-8", "replace")
+    texts = [line for line in raw.splitlines() if line.strip()]
+    texts += [sentence(i, 12) for i in range(200)]
+    return build_tokenizer(texts, vocab_size=512, chat=True)
+
+
+def write_demo(root: Path) -> tuple[Path, Path]:
+    """Write ``root/model`` (a tiny Llama and a tokenizer trained on the bundled corpus) and
+    ``root/train.jsonl`` (instruction records: chat and prompt/completion); returns both."""
+    root.mkdir(parents=True, exist_ok=True)
+    tok = corpus_tokenizer()
+    out = root / "model"
+    tiny_llama(len(tok)).save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    data = write_jsonl(root / "train.jsonl", chat_records(32) + prompt_records(32))
+    return out, data

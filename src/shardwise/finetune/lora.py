@@ -1,12 +1,18 @@
 """LoRA adapters through ``peft``: the ``--lora`` option's grammar, and the model with only
 the adapters trainable (the base frozen, so ZeRO neither reduces nor updates it, at any
-stage)."""
+stage), and the adapters' initial values, drawn per adapter from its name and the seed (so a
+model built on the meta device and one built eagerly start alike, whatever order the modules
+are made in)."""
 
 from __future__ import annotations
 
+import math
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -90,3 +96,52 @@ def apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
+
+
+def _adapter_parts(model: nn.Module) -> dict[int, tuple[str, bool]]:
+    """id(module) -> (name, is A) for every LoRA ``lora_A`` / ``lora_B`` linear of ``model``."""
+    out: dict[int, tuple[str, bool]] = {}
+    for name, m in model.named_modules():
+        for part, is_a in ((".lora_A.", True), (".lora_B.", False)):
+            if part in name and isinstance(m, nn.Linear):
+                out[id(m)] = (name, is_a)
+    return out
+
+
+def init_adapter(weight: torch.Tensor, name: str, is_a: bool, seed: int) -> None:
+    """peft's default init for one adapter weight: A Kaiming-uniform (a = sqrt 5, drawn from a
+    generator seeded by ``seed`` and the module's name), B zero: the model starts as the base."""
+    with torch.no_grad():
+        if not is_a:
+            weight.zero_()
+            return
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=gen)
+
+
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """Give every adapter of an eagerly built ``model`` its initial value (``init_adapter``)."""
+    parts = _adapter_parts(model)
+    for m in model.modules():
+        found = parts.get(id(m))
+        if found is not None:
+            assert isinstance(m, nn.Linear)
+            init_adapter(m.weight, *found, seed)
+
+
+def adapter_init_fn(model: nn.Module, seed: int) -> Callable[[nn.Module], None]:
+    """An ``init_fn`` for ``shardwise.initialize`` of a LoRA model built on the meta device:
+    adapters as ``init_adapter``, every other module by the base model's ``_init_weights``
+    (its buffers; its weights come from the model directory)."""
+    parts = _adapter_parts(model)
+    base_init = getattr(model, "_init_weights", None)
+
+    def init(module: nn.Module) -> None:
+        found = parts.get(id(module))
+        if found is not None:
+            assert isinstance(module, nn.Linear)
+            init_adapter(module.weight, *found, seed)
+        elif callable(base_init):
+            base_init(module)
+
+    return init

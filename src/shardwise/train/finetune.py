@@ -5,7 +5,7 @@ place of the built-in GPT on a corpus. Only what differs is overridden here."""
 from __future__ import annotations
 
 import logging
-import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,21 +13,17 @@ import torch
 
 from shardwise.comm import ops
 from shardwise.finetune.collator import nll_sum
-from shardwise.finetune.lora import apply_lora
-from shardwise.finetune.model import build_model, check_model_dir, load_tokenizer
+from shardwise.finetune.generate import ADAPTER_DIR, MODEL_DIR
+from shardwise.finetune.model import load_tokenizer
 from shardwise.finetune.options import FinetuneOptions
 from shardwise.finetune.pipeline import TrainingData, load_training_data
 from shardwise.finetune.setup import FinetuneModel, build_finetune_model
 from shardwise.finetune.step import micro_losses
+from shardwise.hf.side_files import tokenizer_file_names
 from shardwise.train.loop import Trainer
 from shardwise.train.parallel import BuiltModel
 
 log = logging.getLogger("shardwise.train")
-
-ADAPTER_DIR = "adapter"
-"""Under the run directory: the LoRA adapter ``PeftModel.from_pretrained`` loads."""
-MODEL_DIR = "model"
-"""Under the run directory: the full (or merged) model ``from_pretrained`` loads."""
 
 
 class FinetuneTrainer(Trainer):
@@ -118,38 +114,31 @@ class FinetuneTrainer(Trainer):
         return self._tokens * self.dp.size  # labelled tokens, about (ranks' counts differ)
 
     def save_outputs(self, lead: bool) -> None:
-        """The adapter directory (LoRA) and / or the full model directory, with the tokenizer;
-        every rank gathers the weights, the lead writes."""
-        state = self.engine.state_dict()
-        if lead:
-            write_outputs(self.ft, state, self.dir.root, self.tokenizer)
+        """``adapter/`` (LoRA; peft loads it) and / or ``model/`` (full fine-tuning, or LoRA
+        with ``--merge``; transformers loads it), each with the tokenizer files of the model
+        directory, streamed by ``engine.save_pretrained`` (no rank holds the whole model)."""
+        write_outputs(self.engine, self.ft, self.dir.root, lead)
+
+    def initialize_kwargs(self) -> dict[str, Any]:
+        return self.fm.initialize_kwargs()
 
 
-def write_outputs(
-    ft: FinetuneOptions, state: dict[str, torch.Tensor], root: Path, tokenizer: Any
-) -> list[Path]:
-    """Write what a run leaves from its full state: ``adapter/`` (LoRA; peft loads it) and
-    ``model/`` (full fine-tuning, or LoRA with ``merge``; transformers loads it), each with
-    the tokenizer. Returns the directories written."""
+def write_outputs(engine: Any, ft: FinetuneOptions, root: Path, lead: bool) -> list[Path]:
+    """Write what a run leaves (see ``FinetuneTrainer.save_outputs``); call on every rank
+    (``lead``: the first, which writes).
+    Returns the directories written. Communicates: ``save_pretrained``'s gathers."""
     model_dir = Path(ft.model_dir)
-    model: Any = build_model(check_model_dir(model_dir))
     written = []
-    if ft.lora_spec is not None:
-        model = apply_lora(model, ft.lora_spec)
-    model.load_state_dict({k: v.float() for k, v in state.items()})
-    if ft.lora_spec is not None:
+    if ft.lora is not None:
         out = root / ADAPTER_DIR
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
+        engine.save_pretrained(out, adapter_only=True)
+        if lead:
+            for f in tokenizer_file_names(model_dir):
+                shutil.copyfile(f, out / f.name)
         written.append(out)
-        if not ft.merge:
-            return written
-        model = model.merge_and_unload()
-    out = root / MODEL_DIR
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    written.append(out)
+    if ft.lora is None or ft.merge:
+        out = root / MODEL_DIR
+        engine.save_pretrained(out, merge=ft.lora is not None, tokenizer_dir=model_dir)
+        written.append(out)
     log.info("wrote %s", ", ".join(str(w) for w in written))
-    if any(not math.isfinite(float(v.float().abs().sum())) for v in state.values()):
-        log.warning("the weights written are not finite: lower --lr")
     return written

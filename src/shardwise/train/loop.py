@@ -84,7 +84,9 @@ class Trainer:
         )
         engine_cfg = run_dir.engine_config(run.engine)  # this run dir's checkpoints, always
         engine_cfg = engine_cfg.replace(resume="auto") if resume else engine_cfg
-        self.engine: Engine = shardwise.initialize(self.built.parallelized, optimizer, engine_cfg)
+        self.engine: Engine = shardwise.initialize(
+            self.built.parallelized, optimizer, engine_cfg, **self.initialize_kwargs()
+        )
         self.pipe = self.engine if isinstance(self.engine, PipelineEngine) else None
         self.sampler = self.build_sampler()
         self.step = 0
@@ -106,6 +108,10 @@ class Trainer:
         """This rank's model, parallelized; also reads the corpus."""
         self.corpus = load_corpus(self.opts.data, max_bytes=self.opts.max_bytes)
         return build_model(self.run_cfg, self.mesh)
+
+    def initialize_kwargs(self) -> dict[str, Any]:
+        """More arguments for ``shardwise.initialize`` (where the weights come from)."""
+        return {}
 
     def build_sampler(self) -> Any:
         """This dp rank's batches (``next_batch``), resumable (``state_dict``)."""

@@ -28,7 +28,7 @@ checkpoint loads at any world size. Nothing here communicates.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,12 +171,20 @@ def flat_entries(
     return entries, scalars
 
 
-def outside_params(module: nn.Module, flats: list[FlatParam]) -> Iterator[tuple[str, nn.Parameter]]:
-    """Parameters that live outside flat buffers (frozen ones at stages 0-2), by name."""
+def outside_params(
+    module: nn.Module, flats: list[FlatParam], frozen: bool = True
+) -> Iterator[tuple[str, nn.Parameter]]:
+    """Parameters that live outside flat buffers (frozen ones at stages 0-2), by name
+    (``frozen=False``: only trainable ones)."""
     inside = {id(p) for f in flats for p in f.params}
     for name, p in module.named_parameters():
-        if id(p) not in inside:
+        if id(p) not in inside and (frozen or p.requires_grad):
             yield name, p
+
+
+def saved_flats(flats: list[FlatParam], frozen: bool) -> list[FlatParam]:
+    """The flat buffers a checkpoint holds: all, or (``frozen=False``) the trainable ones."""
+    return [f for f in flats if frozen or f.trainable]
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
@@ -191,11 +199,13 @@ def replicated_entries(
     size: int,
     layouts: Layouts,
     buffers: Mapping[str, torch.Tensor],
+    frozen: bool = True,
 ) -> list[ShardEntry]:
     """This rank's part of each parameter outside flat buffers (an even flat split over the
-    ``size`` ranks) and ``buffers`` (those this rank writes, by name) whole."""
+    ``size`` ranks; ``frozen=False``: trainable ones only) and ``buffers`` (those this rank
+    writes, by name) whole."""
     entries = []
-    for name, p in outside_params(module, flats):
+    for name, p in outside_params(module, flats, frozen):
         lo, hi = even_range(p.numel(), size, rank)
         flat = _fp32(p.detach().reshape(-1)[lo:hi])
         entries += range_entries(model_key(name), layout_of(layouts, p), lo, flat)
@@ -206,24 +216,31 @@ def replicated_entries(
 
 
 def expected_entries(
-    module: nn.Module, names: ModelNames, layouts: Layouts
+    module: nn.Module, names: ModelNames, layouts: Layouts, frozen: bool = True
 ) -> dict[str, tuple[int, ...]]:
-    """The stored name and global shape of every parameter and buffer of ``module``."""
+    """The stored name and global shape of every parameter (``frozen=False``: every trainable
+    one) and buffer of ``module``."""
     expected = {
-        model_key(n): layout_of(layouts, p).global_shape for n, p in module.named_parameters()
+        model_key(n): layout_of(layouts, p).global_shape
+        for n, p in module.named_parameters()
+        if frozen or p.requires_grad
     }
     expected.update({buffer_key(n): tuple(b.shape) for n, b in names.buffers.items()})
     return expected
 
 
-def check_model_matches(reader: CheckpointReader, expected: Mapping[str, tuple[int, ...]]) -> None:
+def check_model_matches(
+    reader: CheckpointReader,
+    expected: Mapping[str, tuple[int, ...]],
+    ignored: Collection[str] = (),
+) -> None:
     """Every parameter and buffer of ``expected`` (``expected_entries``, of the whole model)
-    is stored with its shape, and nothing else is; else ValueError naming the first
-    differences."""
+    is stored with its shape, and nothing else is (but ``ignored`` names, which may be);
+    else ValueError naming the first differences."""
     stored = {
         n: reader.global_shape(n)
         for n in reader.names()
-        if n.startswith((MODEL_PREFIX, BUFFER_PREFIX))
+        if n.startswith((MODEL_PREFIX, BUFFER_PREFIX)) and n not in ignored
     }
     missing = sorted(set(expected) - set(stored))
     unexpected = sorted(set(stored) - set(expected))
@@ -314,11 +331,12 @@ def load_replicated(
     reader: CheckpointReader,
     names: ModelNames,
     layouts: Layouts,
+    frozen: bool = True,
 ) -> None:
-    """Load every parameter outside flat buffers (this rank's piece) and every buffer, whole,
-    on every rank."""
+    """Load every parameter outside flat buffers (this rank's piece; ``frozen=False``: the
+    trainable ones) and every buffer, whole, on every rank."""
     with torch.no_grad():
-        for name, p in outside_params(module, flats):
+        for name, p in outside_params(module, flats, frozen):
             values = read_range(reader, model_key(name), layout_of(layouts, p), 0, p.numel())
             p.data.copy_(values.reshape(p.shape))
         for name, b in names.buffers.items():
