@@ -119,18 +119,19 @@ def build_flats(
     host: torch.device,
     replicate: Group | None = None,
     deferred: torch.device | None = None,
-    group_of: Callable[[torch.Tensor], Group] | None = None,
+    *,
+    group_of: Callable[[torch.Tensor], Group],
 ) -> tuple[list[FlatParam], ParamSchedule | None]:
     """The flat buffers (and, stage 3, the gather/free schedule), sharded over ``group`` and
     copied over ``replicate``, holding the first replica's first rank's weights. Communicates:
     a broadcast per flat buffer and group (and per frozen parameter outside one).
 
-    ``group_of``: each parameter's data-parallel group (default ``group``): parameters are
+    ``group_of``: each parameter's data-parallel group (``group`` for all, by default): they are
     split by it first, then into buckets (stages 0-2) or units (stage 3), each flat buffer
     sharded over its own group. ``deferred`` (a meta model): the buffers are made on that
     device holding zeros, at stage 3 the shards alone, and nothing is broadcast: the engine
     fills them afterwards."""
-    of = group_of if group_of is not None else (lambda p: group)
+    of = group_of
     schedule = None
     if not stage.shard_params:
         flats = [
