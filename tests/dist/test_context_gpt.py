@@ -56,3 +56,15 @@ def test_gpt_cp2_with_activation_checkpointing_matches_one_process():
     # recompute reruns each block's forward: the forward's K/V blocks travel once more
     fwd = _ring_bytes(2, 2) // 3
     assert all(r["sent"] == {"send": _ring_bytes(2, 2) + fwd} for r in out)
+
+
+@pytest.mark.parametrize(("method", "stage"), [("ring", 1), ("all_to_all", 3)])
+def test_gpt_pp2_cp2_matches_one_process(method, stage):
+    out = run_on_ranks(4, cc.gpt_pp_cp_parity, method, stage, timeout_s=600)
+    compared = {n for r in out for n in r["compared"]}
+    assert compared >= set(out[0]["params"])  # the stages together hold every weight
+
+
+def test_gpt_pp2_context_plan_pattern_matching_no_stage_is_refused():
+    out = run_on_ranks(4, cc.unmatched_context_pattern_over_pp, timeout_s=300)
+    assert all("layers.*.attn.nothing" in msg and "matches no module" in msg for msg in out)
