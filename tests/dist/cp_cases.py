@@ -73,15 +73,16 @@ def gpt_config(seq_len: int, n_head: int = 4):
     )
 
 
-def lm_batches(steps: int, rows: int, seq: int, vocab: int = 37) -> list:
-    """(ids, targets) per step; each row's last 3 * (row % 3) targets are padding (-100)."""
+def lm_batches(steps: int, rows: int, seq: int, vocab: int = 37, pad: bool = True) -> list:
+    """(ids, targets) per step; with ``pad`` each row's last 3 * (row % 3) targets are padding
+    (-100)."""
     g = torch.Generator().manual_seed(11)
     out = []
     for _ in range(steps):
         x = torch.randint(0, vocab, (rows, seq), generator=g)
         y = torch.randint(0, vocab, (rows, seq), generator=g)
         for i in range(rows):
-            if i % 3:
+            if pad and i % 3:
                 y[i, seq - 3 * (i % 3) :] = -100
         out.append((x, y))
     return out
