@@ -29,6 +29,8 @@ def check_layout(run: RunConfig) -> None:
         world_size=run.world_size,
         tp=opts.tp,
         pp=opts.pp,
+        cp=opts.cp,
+        cp_method=opts.cp_method,
         dp_replicate=opts.dp_replicate,
         sequence_parallel=opts.sequence_parallel,
         schedule=eng.pipeline_schedule,
