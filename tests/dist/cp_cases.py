@@ -260,3 +260,32 @@ def unmatched_context_pattern_over_pp() -> str:
     except ValueError as exc:
         return str(exc)
     return "accepted"
+
+
+
+def _saved_bytes(mesh: shardwise.Mesh, method: str, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Bytes the GPT recipe's forward and loss save for backward on this rank of ``mesh``."""
+    from shardwise.models.gpt import GPT
+    from shardwise.parallel.plans import gpt as gpt_plans
+    from shardwise.testing import SavedTensorBytes
+
+    cfg = dataclasses.replace(gpt_config(x.shape[1]), vocab_size=64)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    par = shardwise.parallelize(model, mesh, gpt_plans.plan(cfg, mesh, cp_method=method))
+    if par.context is not None:
+        x, y = par.context.split(x, y)
+    loss_of = gpt_plans.loss(cfg, mesh)
+    saved = SavedTensorBytes(model)
+    loss = saved.measure(lambda: loss_of(model(x), y))
+    loss.backward()  # what was saved is what backward needs: it runs
+    return saved.total
+
+
+def saved_activation_bytes(method: str, batch: int = 2) -> dict:
+    """Bytes saved for backward on this cp rank (its tokens of the batch) and, through the same
+    recipe on a mesh without cp, on the whole batch."""
+    world = shardwise.world_size()
+    x, y = lm_batches(1, batch, 8 * world, 64, pad=False)[0]
+    whole = _saved_bytes(shardwise.Mesh(dp=world), "ring", x, y)
+    return {"cp_rank": _saved_bytes(shardwise.Mesh(cp=world), method, x, y), "whole": whole}
