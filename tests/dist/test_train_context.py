@@ -4,11 +4,13 @@ split refused in one line."""
 
 from __future__ import annotations
 
-import subprocess
+import json
 
 import pytest
 from test_train_e2e import _train
 
+from shardwise.estimate import estimate_activations
+from shardwise.models.gpt import GPTConfig
 from shardwise.train.metrics import read_metrics
 from shardwise.train.rundir import RunDir
 
@@ -35,6 +37,15 @@ def test_train_cp2_matches_one_process(tmp_path, method):
         assert val is None or val == pytest.approx(want_val, rel=1e-5)
     op = "send" if method == "ring" else "all_to_all"
     assert all(r["comm"][op]["bytes"] > 0 for r in read_metrics(cp.metrics))
+    # the summary's estimate: a cp rank's activations are those of seq / 2 tokens, and the
+    # model states it measured are the estimate's (ZeRO-0: nothing sharded or padded)
+    memory = json.loads(cp.summary.read_text())["memory"]
+    tiny = GPTConfig.named("tiny")
+    est = memory["estimated_per_rank"]
+    assert est["activations"] == estimate_activations(tiny, 4, tiny.seq_len // 2, "fp32")
+    assert est["activations"] * 2 == estimate_activations(tiny, 4, tiny.seq_len, "fp32")
+    assert all(m["model_states"] == est["model_states"]
+               for m in memory["measured_peak_per_rank"])  # fmt: skip
 
 
 @pytest.mark.parametrize(
