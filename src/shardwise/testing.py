@@ -245,3 +245,32 @@ def close_pools() -> None:
     for pool in _pools.values():
         pool.close()
     _pools.clear()
+
+
+class SavedTensorBytes:
+    """Unique storage bytes autograd saves for backward while ``measure`` runs, parameters of
+    ``model`` excluded: what a forward keeps for its backward (activations), measured.
+    ``already``: another measurement whose storages count as seen."""
+
+    def __init__(self, model: Any, already: SavedTensorBytes | None = None) -> None:
+        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        # storages are held so no address is reused; ``already``'s count as seen
+        self._seen: dict[int, Any] = dict(already._seen) if already else {}
+
+    def measure(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` counting what it saves; return its result."""
+        import torch
+
+        def pack(t: Any) -> Any:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in self._params:
+                self._seen.setdefault(storage.data_ptr(), storage)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return fn()
+
+    @property
+    def total(self) -> int:
+        """Bytes of the storages seen."""
+        return sum(int(s.nbytes()) for s in self._seen.values())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -71,18 +73,40 @@ def gpt_config(seq_len: int, n_head: int = 4):
     )
 
 
-def lm_batches(steps: int, rows: int, seq: int, vocab: int = 37) -> list:
-    """(ids, targets) per step; each row's last 3 * (row % 3) targets are padding (-100)."""
+def lm_batches(steps: int, rows: int, seq: int, vocab: int = 37, pad: bool = True) -> list:
+    """(ids, targets) per step; with ``pad`` each row's last 3 * (row % 3) targets are padding
+    (-100)."""
     g = torch.Generator().manual_seed(11)
     out = []
     for _ in range(steps):
         x = torch.randint(0, vocab, (rows, seq), generator=g)
         y = torch.randint(0, vocab, (rows, seq), generator=g)
         for i in range(rows):
-            if i % 3:
+            if pad and i % 3:
                 y[i, seq - 3 * (i % 3) :] = -100
         out.append((x, y))
     return out
+
+
+def gpt_reference(cfg, data: list, parts: int) -> tuple:
+    """A seeded GPT, a copy trained in one process on ``data`` (AdamW, lr 1e-3; each step's
+    loss the mean of ``parts`` row chunks' mean losses), and that run's losses."""
+    import copy
+
+    from shardwise.models.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    losses = []
+    for x, y in data:
+        loss = sum(ref(xs, ys) for xs, ys in zip(x.chunk(parts), y.chunk(parts))) / parts
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return model, ref, losses
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -100,26 +124,15 @@ def gpt_cp_parity(
 ) -> dict:
     """dp x cp (x tp) GPT through parallelize + initialize vs one process: losses each step,
     every weight after ``steps`` AdamW steps (fp32, rtol 1e-5), and what cp sent."""
-    import copy
 
-    from shardwise.models.gpt import GPT
     from shardwise.parallel.plans import gpt as gpt_plans
 
     mesh = shardwise.Mesh(dp=dp, cp=cp_size, tp=tp_size)
     seq = 4 * mesh.world_size
     cfg = gpt_config(seq)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    ref = copy.deepcopy(model)
     data = lm_batches(steps, 2 * dp, seq)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    ref_losses = []
-    for x, y in data:  # each dp rank's mean over its tokens, averaged over dp
-        loss = sum(ref(xs, ys) for xs, ys in zip(x.chunk(dp), y.chunk(dp))) / dp
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(float(loss.detach()))
+    # each dp rank's mean over its tokens, averaged over dp
+    model, ref, ref_losses = gpt_reference(cfg, data, dp)
     plan = gpt_plans.plan(cfg, mesh, cp_method=method, recompute=["Block"] if recompute else ())
     par = shardwise.parallelize(model, mesh, plan)
     assert par.context is not None
@@ -198,3 +211,81 @@ def llama_cp_parity(cp_size: int, method: str, steps: int = 5) -> dict:
     for name in want:
         _close(got[name], want[name], f"{name} after {steps} steps")
     return {"losses": ref_losses}
+
+
+def gpt_pp_cp_parity(method: str, stage: int, microbatches: int = 2, steps: int = 5) -> dict:
+    """pp2 x cp2 GPT through ``plans.gpt.plan`` + initialize vs one process: losses each step
+    and this stage's weights after ``steps`` AdamW steps (fp32, rtol 1e-5); returns the GPT
+    names this stage compared."""
+
+    from shardwise.parallel.plans import gpt as gpt_plans
+
+    mesh = shardwise.Mesh(pp=2, cp=2)
+    seq = 4 * mesh.world_size
+    cfg = gpt_config(seq)
+    data = lm_batches(steps, 2 * microbatches, seq)
+    # the pipeline's loss: the mean of its micro-batches' means
+    model, ref, ref_losses = gpt_reference(cfg, data, microbatches)
+    par = shardwise.parallelize(model, mesh, gpt_plans.plan(cfg, mesh, cp_method=method))
+    assert par.context is not None and par.pipeline is not None
+    opt = torch.optim.AdamW(par.module.parameters(), lr=1e-3)
+    config = shardwise.Config(zero_stage=stage, pipeline_microbatches=microbatches)
+    engine = shardwise.initialize(par, opt, config)
+    for step, (x, y) in enumerate(data):
+        loss = engine.train_batch(*par.context.split(x, y))
+        _close(loss.detach(), torch.tensor(ref_losses[step]), f"loss at step {step}")
+    want = ref.state_dict()
+    compared = []
+    for name, got in engine.state_dict().items():
+        if name in par.names:
+            _close(got, want[par.names[name]], f"{name} after {steps} steps")
+            compared.append(par.names[name])
+    return {"compared": compared, "params": [n for n, _ in ref.named_parameters()]}
+
+
+def unmatched_context_pattern_over_pp() -> str:
+    """A context-plan pattern matching no layer on any pp stage is refused on every rank."""
+    from shardwise.models.gpt import GPT
+    from shardwise.parallel.parallelize import ContextPlan
+    from shardwise.parallel.plans import gpt as gpt_plans
+
+    mesh = shardwise.Mesh(pp=2, cp=2)
+    cfg = gpt_config(4 * mesh.world_size)
+    base = gpt_plans.plan(cfg, mesh)
+    assert base.context is not None
+    modules = {**base.context.modules, "layers.*.attn.nothing": "sdpa"}
+    plan = dataclasses.replace(base, context=ContextPlan(modules, base.context.method))
+    try:
+        shardwise.parallelize(GPT(cfg), mesh, plan)
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+
+def _saved_bytes(mesh: shardwise.Mesh, method: str, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Bytes the GPT recipe's forward and loss save for backward on this rank of ``mesh``."""
+    from shardwise.models.gpt import GPT
+    from shardwise.parallel.plans import gpt as gpt_plans
+    from shardwise.testing import SavedTensorBytes
+
+    cfg = dataclasses.replace(gpt_config(x.shape[1]), vocab_size=64)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    par = shardwise.parallelize(model, mesh, gpt_plans.plan(cfg, mesh, cp_method=method))
+    if par.context is not None:
+        x, y = par.context.split(x, y)
+    loss_of = gpt_plans.loss(cfg, mesh)
+    saved = SavedTensorBytes(model)
+    loss = saved.measure(lambda: loss_of(model(x), y))
+    loss.backward()  # what was saved is what backward needs: it runs
+    return saved.total
+
+
+def saved_activation_bytes(method: str, batch: int = 2) -> dict:
+    """Bytes saved for backward on this cp rank (its tokens of the batch) and, through the same
+    recipe on a mesh without cp, on the whole batch."""
+    world = shardwise.world_size()
+    x, y = lm_batches(1, batch, 8 * world, 64, pad=False)[0]
+    whole = _saved_bytes(shardwise.Mesh(dp=world), "ring", x, y)
+    return {"cp_rank": _saved_bytes(shardwise.Mesh(cp=world), method, x, y), "whole": whole}

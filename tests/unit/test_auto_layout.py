@@ -44,7 +44,8 @@ def _base(model: str = "tiny", world: int = 2) -> RunConfig:
 
 def test_factorizations_cover_every_mesh_exactly_once():
     got = list(_factorizations(8, len(AXES)))
-    assert len(got) == len(set(got)) == 20  # ordered factorizations of 2^3 into 4 parts: C(6,3)
+    # ordered factorizations of 2^3 into 5 parts (dp_replicate, dp_shard, cp, tp, pp): C(7,4)
+    assert len(got) == len(set(got)) == 35
     assert all(math.prod(f) == 8 for f in got)
 
 
@@ -94,7 +95,8 @@ def test_train_settings_map_a_pipeline_step_onto_the_flags():
     plan = Plan(dp=1, pp=2, micro_batch=2, micro_batches=4, schedule="interleaved",
                 virtual_stages=2, zero_stage=1, recompute="full")  # fmt: skip
     s = layout_choice.train_settings(Layout(plan))
-    assert s == {"tp": 1, "pp": 2, "dp_replicate": 1, "zero": 1, "activation_checkpointing": True,
+    assert s == {"tp": 1, "pp": 2, "cp": 1, "cp_method": "ring", "dp_replicate": 1, "zero": 1,
+                 "activation_checkpointing": True,
                  "sequence_parallel": False, "micro_batch": 8, "grad_accum": 1,
                  "microbatches": 4, "schedule": "interleaved_1f1b"}  # fmt: skip
     run = layout_choice.run_config(_base(), Layout(plan))

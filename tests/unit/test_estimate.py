@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from fractions import Fraction
 
 import pytest
@@ -26,6 +25,7 @@ from shardwise.estimate import (
 )
 from shardwise.models import GPT, GPTConfig
 from shardwise.parallel.pipeline.simulate import simulate
+from shardwise.testing import SavedTensorBytes
 
 # (params, grads, optimizer) bytes per element and which of them a stage shards.
 _PER_ELEMENT = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
@@ -120,29 +120,6 @@ def test_bad_inputs_name_allowed_values() -> None:
         estimate_activations(cfg, 1, 65, "fp32", False)
 
 
-class _SavedBytes:
-    """Unique storage bytes autograd saves for backward, parameters excluded."""
-
-    def __init__(self, model: nn.Module, already: _SavedBytes | None = None) -> None:
-        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        # Storages are held so no address is reused; ``already``'s count as seen.
-        self._seen: dict[int, torch.UntypedStorage] = dict(already._seen) if already else {}
-
-    def measure(self, fn: Callable[[], object]) -> None:
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in self._params:
-                self._seen.setdefault(storage.data_ptr(), storage)
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            fn()
-
-    @property
-    def total(self) -> int:
-        return sum(s.nbytes() for s in self._seen.values())
-
-
 class _Checkpointed(nn.Module):
     """Runs a block under non-reentrant checkpointing, remembering its input."""
 
@@ -161,7 +138,7 @@ def _measure(cfg: GPTConfig, batch: int, seq: int, dtype: torch.dtype, ckpt: boo
     model = GPT(cfg).to(dtype)
     idx = torch.randint(0, cfg.vocab_size, (batch, seq))
     targets = torch.randint(0, cfg.vocab_size, (batch, seq))
-    saved = _SavedBytes(model)
+    saved = SavedTensorBytes(model)
     if not ckpt:
         saved.measure(lambda: model(idx, targets))
         return saved.total
@@ -174,7 +151,7 @@ def _measure(cfg: GPTConfig, batch: int, seq: int, dtype: torch.dtype, ckpt: boo
     forward_bytes = saved.total
     recompute = 0
     for block, x in zip(blocks, inputs, strict=True):
-        one = _SavedBytes(model, already=saved)  # the block input is already counted
+        one = SavedTensorBytes(model, already=saved)  # the block input is already counted
         one.measure(lambda block=block, x=x: block(x.detach().requires_grad_()))
         recompute = max(recompute, one.total - forward_bytes)
     return forward_bytes + recompute

@@ -7,11 +7,15 @@ shardwise estimate --model small --micro-batch 16 --world-size 2
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import re
 
 from shardwise.costmodel import pipeline_memory as pp_estimate
 from shardwise.costmodel import tp_memory as tp_estimate
+from shardwise.costmodel.context import cp_bytes_per_layer
+from shardwise.costmodel.plan import Plan
+from shardwise.costmodel.shapes import gpt_shape
 from shardwise.estimate import (
     PRECISIONS,
     estimate_activations,
@@ -115,6 +119,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --model: tensor-parallel degree (the world is dp x tp; ZeRO over dp)",
     )
     p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="with --model: context-parallel degree, ranks splitting each sequence (the world "
+        "is dp x cp x tp x pp; ZeRO over dp x cp; activations and cp bytes per rank)",
+    )
+    p.add_argument(
+        "--cp-method",
+        default="ring",
+        help="with --cp: ring | all_to_all (default ring)",
+    )
+    p.add_argument(
         "--sequence-parallel",
         action="store_true",
         help="with --tp: activations under sequence parallelism",
@@ -160,6 +176,29 @@ def _tp_activation_lines(cfg: GPTConfig, args: argparse.Namespace, seq_len: int)
     return "\n".join([head, *rows])
 
 
+def _cp_words(layout: Layout) -> str:
+    return f" cp {layout.cp} ({layout.cp_method}) x" if layout.cp > 1 else ""
+
+
+def _cp_lines(cfg: GPTConfig, args: argparse.Namespace, layout: Layout, micro_batch: int) -> str:
+    """What context parallelism keeps and sends per rank (``costmodel.context``)."""
+    if layout.cp == 1:
+        return ""
+    seq_len = args.seq_len or cfg.seq_len
+    shape = dataclasses.replace(gpt_shape(args.model, cfg), seq_len=seq_len)
+    plan = Plan(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp,
+                cp_method=layout.cp_method, micro_batch=micro_batch,
+                precision=args.precision)  # fmt: skip
+    per_layer = cp_bytes_per_layer(shape, plan)
+    return (
+        f"context parallel cp={layout.cp} ({layout.cp_method}): each rank keeps "
+        f"{seq_len // layout.cp} of the {seq_len} tokens of a sequence (activations 1/cp); "
+        f"it sends {format_bytes(int(per_layer))} per layer and micro-batch of {micro_batch} "
+        f"over cp, {format_bytes(int(per_layer * cfg.n_layer))} through the {cfg.n_layer} "
+        "layers (forward and backward, no recompute)"
+    )
+
+
 def _peak_table(peaks: dict[int, tuple[int, int, int]], device: int | None) -> str:
     """Per ZeRO stage: (model states, peak, peak with activation checkpointing) bytes."""
     header = ["stage", "model states", "peak", "peak (act. ckpt)"]
@@ -196,6 +235,7 @@ def _check_layout(args: argparse.Namespace, cfg: GPTConfig | None) -> Layout:
         for flag, given in (
             ("--tp", args.tp != 1),
             ("--pp", args.pp != 1),
+            ("--cp", args.cp != 1),
             ("--sequence-parallel", args.sequence_parallel),
         ):
             if given:
@@ -204,6 +244,8 @@ def _check_layout(args: argparse.Namespace, cfg: GPTConfig | None) -> Layout:
         world_size=args.world_size,
         tp=args.tp,
         pp=args.pp,
+        cp=args.cp,
+        cp_method=args.cp_method,
         sequence_parallel=args.sequence_parallel,
         schedule=args.schedule,
         microbatches=args.microbatches,
@@ -227,7 +269,7 @@ def _pipeline_table(ranks: list[pp_estimate.PipelineRankEstimate]) -> str:
 def _run_pipeline(
     args: argparse.Namespace, cfg: GPTConfig, layout: Layout, num_params: int, device: int | None
 ) -> int:
-    dp, m = layout.dp, layout.pipeline_microbatches
+    dp, m = layout.dp * layout.cp, layout.pipeline_microbatches  # ZeRO over dp x cp
     seq_len = args.seq_len or cfg.seq_len
     schedule = args.schedule or "1f1b"
     per_micro = args.micro_batch // m  # --micro-batch splits into m pipeline micro-batches
@@ -242,14 +284,20 @@ def _run_pipeline(
         tp=args.tp,
         sequence_parallel=args.sequence_parallel,
     )
+    if layout.cp > 1:  # each cp rank keeps 1/cp of every sequence's activations
+        ranks = [
+            dataclasses.replace(r, activation_bytes={k: v // layout.cp for k, v in
+                                                     r.activation_bytes.items()})
+            for r in ranks
+        ]  # fmt: skip
     states = [
         estimate_model_states(r.params, dp, args.precision, args.offload, args.reduce_dtype)
         for r in ranks
     ]
     heaviest = max(range(args.pp), key=lambda i: ranks[i].params)
     print(
-        f"{args.model} model, {num_params:,} parameters, {args.world_size} ranks = dp {dp} x "
-        f"tp {args.tp} x pp {args.pp}, {args.precision}"
+        f"{args.model} model, {num_params:,} parameters, {args.world_size} ranks = dp "
+        f"{layout.dp} x{_cp_words(layout)} tp {args.tp} x pp {args.pp}, {args.precision}"
         f"{', optimizer offloaded to host' if args.offload else ''}; Adam(W) states"
     )
     print()
@@ -262,7 +310,10 @@ def _run_pipeline(
     )
     print(_pipeline_table(ranks))
     print()
-    print(f"model states per rank (pp rank {heaviest}, the most parameters; ZeRO over dp={dp})")
+    if layout.cp > 1:
+        print(_cp_lines(cfg, args, layout, per_micro))
+        print()
+    print(f"model states per rank (pp rank {heaviest}, the most parameters; ZeRO over {dp} ranks)")
     print(format_estimate_table(states[heaviest], None))
     print()
     print("peak per rank on the device (the largest over pp ranks; ckpt: full recompute)")
@@ -307,7 +358,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     print("model states per rank")
     print(format_estimate_table(estimates, device if cfg is None else None))
     if cfg is not None:
-        seq_len = args.seq_len or cfg.seq_len
+        seq_len = (args.seq_len or cfg.seq_len) // layout.cp  # this cp rank's tokens
         act = estimate_activations(cfg, args.micro_batch, seq_len, args.precision)
         act_ckpt = estimate_activations(
             cfg, args.micro_batch, seq_len, args.precision, checkpointing=True
@@ -317,8 +368,11 @@ def run_estimate(args: argparse.Namespace) -> int:
             f"activations per rank (micro-batch {args.micro_batch} x {seq_len} tokens): "
             f"{format_bytes(act)}; with activation checkpointing: {format_bytes(act_ckpt)}"
         )
+        if layout.cp != 1:
+            print(_cp_lines(cfg, args, layout, args.micro_batch))
         if args.tp != 1:
-            print(f"(per rank: {held:,} parameters at tp={args.tp}, then ZeRO over dp={dp})")
+            over = f"dp x cp={dp}" if layout.cp > 1 else f"dp={dp}"
+            print(f"(per rank: {held:,} parameters at tp={args.tp}, then ZeRO over {over})")
             print(_tp_activation_lines(cfg, args, seq_len))
         print()
         print("peak per rank on the device (model states + activations)")

@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "plan",
         help="rank parallel plans by predicted throughput (cost model)",
         description="Predict step time (compute, exposed tp, bubble, p2p, exposed dp, optimizer), "
-        "memory per device and MFU of every dp x tp x pp plan that fits, fastest first. "
+        "memory per device and MFU of every dp x cp x tp x pp plan that fits, fastest first. "
         f"Bounds: at most {MAX_DEVICES:,} devices, a global batch of at most "
         f"{MAX_GLOBAL_BATCH:,} sequences, {MAX_SCALING_POINTS} --scaling points.",
     )

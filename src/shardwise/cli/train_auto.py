@@ -108,7 +108,9 @@ def _refuse_if_nothing_fits(base: RunConfig, global_batch: int, nproc: int) -> N
 def calibrate(args: argparse.Namespace, base: RunConfig) -> Calibration:
     """Launch the calibration on the command's ranks; its JSON back."""
     memory, _ = preflight.memory_per_rank(args.nproc_per_node)
-    probe = dataclasses.replace(base.train, tp=1, pp=1, dp_replicate=1, sequence_parallel=False)
+    probe = dataclasses.replace(
+        base.train, tp=1, pp=1, cp=1, dp_replicate=1, sequence_parallel=False
+    )
     engine = base.engine.replace(micro_batch_size=min(4, base.global_batch_size),
                                  gradient_accumulation_steps=1, zero_stage=0,
                                  pipeline_schedule="1f1b", pipeline_microbatches=1,

@@ -44,6 +44,8 @@ TRAIN_FLAGS = (
     "tp",
     "sequence_parallel",
     "pp",
+    "cp",
+    "cp_method",
     "dp_replicate",
 )
 ENGINE_FLAGS = {
@@ -86,6 +88,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--pp",
         type=int,
         help="pipeline-parallel degree: stages the layers are split into (default 1)",
+    )
+    par.add_argument(
+        "--cp",
+        type=int,
+        help="context-parallel degree: ranks splitting each sequence, attention exact over "
+        "them (default 1)",
+    )
+    par.add_argument(
+        "--cp-method",
+        help="with --cp: ring | all_to_all (default ring; all_to_all splits the heads per tp "
+        "rank over cp)",
     )
     par.add_argument(
         "--schedule",

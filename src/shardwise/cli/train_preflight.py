@@ -29,6 +29,8 @@ def check_layout(run: RunConfig) -> None:
         world_size=run.world_size,
         tp=opts.tp,
         pp=opts.pp,
+        cp=opts.cp,
+        cp_method=opts.cp_method,
         dp_replicate=opts.dp_replicate,
         sequence_parallel=opts.sequence_parallel,
         schedule=eng.pipeline_schedule,
@@ -67,13 +69,13 @@ def check_memory(run: RunConfig, nproc_per_node: int) -> None:
     act = estimate_activations(
         cfg,
         run.micro_batch,
-        cfg.seq_len,
+        cfg.seq_len // run.train.cp,  # a cp rank's tokens of each sequence
         eng.precision,
         checkpointing=bool(eng.activation_checkpointing),
     )
     states = estimate_model_states(
         run.params_per_rank(),
-        zero_shard_size(run.dp_size, run.train.dp_replicate),
+        zero_shard_size(run.dp_size * run.train.cp, run.train.dp_replicate),  # dp x cp
         eng.precision,
         offload=eng.offload_optimizer,
         reduce_dtype=eng.reduce_dtype,

@@ -1,6 +1,7 @@
 """Every layout of a training step over N devices that fits in memory, ranked by predicted step
-time: the mesh (dp_replicate x dp_shard x tp x pp), ZeRO stage, recomputation, micro-batch and
-accumulation, pipeline schedule and virtual stages, all-reduce algorithm and optimizer offload.
+time: the mesh (dp_replicate x dp_shard x cp x tp x pp, with cp's method), ZeRO stage,
+recomputation, micro-batch and accumulation, pipeline schedule and virtual stages, all-reduce
+algorithm and optimizer offload.
 
 ``Plan`` prices dp x tp x pp; a ``Layout`` adds what the plan does not price (HSDP replicas, the
 all-reduce algorithm, offload) and ``predict_layout`` prices them on top of ``predict``:
@@ -14,8 +15,9 @@ all-reduce algorithm, offload) and ``predict_layout`` prices them on top of ``pr
 - optimizer offload: the fp32 master weights and moments leave the device (memory), the
   optimizer streams them through host memory and the gradients and weights cross the host link.
 
-Mesh axes are named in ``AXES`` in the mesh's order; a new axis (context parallelism) is one
-more name there, a degree in ``Layout.degrees`` and its rule in ``_axis_allowed``.
+Mesh axes are named in ``AXES`` in the mesh's order; a new axis is one more name there, a
+degree in ``Layout.degrees`` and its rule in ``_axis_allowed`` (cp: the sequence splits into
+2 x cp chunks; all_to_all also splits each tp rank's heads over cp).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 from shardwise.comm.allreduce_rounds import GroupLinks, predict_seconds
 from shardwise.costmodel.hardware import Hardware
 from shardwise.costmodel.memory import MASTER_AND_ADAM_BYTES
-from shardwise.costmodel.plan import PRECISIONS, SCHEDULES, Plan
+from shardwise.costmodel.plan import CP_METHODS, PRECISIONS, SCHEDULES, Plan
 from shardwise.costmodel.predict import (
     GRAD_BYTES,
     OPTIMIZER_BYTES_TOUCHED,
@@ -40,7 +42,7 @@ from shardwise.costmodel.predict import (
 from shardwise.costmodel.search import MICRO_BATCHES
 from shardwise.costmodel.shapes import ModelShape
 
-AXES = ("dp_replicate", "dp_shard", "tp", "pp")
+AXES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 """Mesh axes the search factors the devices into, outermost first."""
 
 StageLayers = Callable[[int, int], "tuple[int, ...] | None"]
@@ -62,11 +64,17 @@ class Layout:
         return self.plan.dp // self.dp_replicate
 
     @property
+    def zero_shard(self) -> int:
+        """Ranks one ZeRO shard group spans: dp_shard x cp."""
+        return self.dp_shard * self.plan.cp
+
+    @property
     def degrees(self) -> dict[str, int]:
         """Size of each mesh axis in ``AXES``."""
         return {
             "dp_replicate": self.dp_replicate,
             "dp_shard": self.dp_shard,
+            "cp": self.plan.cp,
             "tp": self.plan.tp,
             "pp": self.plan.pp,
         }
@@ -90,6 +98,7 @@ class SearchSpace:
     virtual_stages: int = 2
     micro_batches: tuple[int, ...] = MICRO_BATCHES
     sequence_parallel: tuple[bool, ...] = (False, True)
+    cp_methods: tuple[str, ...] = CP_METHODS
     allreduce_algorithms: tuple[str, ...] = ("native",)
     offload: tuple[bool, ...] = (False,)
     hsdp: bool = True
@@ -112,6 +121,8 @@ def _factorizations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
 def _axis_allowed(axis: str, size: int, shape: ModelShape, hw: Hardware, zero: int) -> bool:
     if axis == "tp":
         return size <= hw.devices_per_node and shape.heads % size == 0
+    if axis == "cp":
+        return shape.seq_len % (2 * size) == 0
     if axis == "dp_replicate":  # HSDP replicates ZeRO shards; without sharding it is plain dp
         return size == 1 or zero > 0
     return True
@@ -155,13 +166,16 @@ def candidates(
     stages = stages or even_stage_layers(shape)
     for degrees in _factorizations(devices, len(AXES)):
         size = dict(zip(AXES, degrees, strict=True))
-        r, s, tp, pp = (size[a] for a in AXES)
+        r, s, cp, tp, pp = (size[a] for a in AXES)
         dp = r * s
-        if global_batch % dp or not _axis_allowed("tp", tp, shape, hw, 0):
+        if global_batch % dp or not all(
+            _axis_allowed(a, size[a], shape, hw, 0) for a in ("tp", "cp")
+        ):
             continue
         per_rank = global_batch // dp
-        for (sched, v, layers), zero, rec, b, sp, alg, off in itertools.product(
+        for (sched, v, layers), method, zero, rec, b, sp, alg, off in itertools.product(
             _pipeline_choices(space, pp, stages),
+            _cp_methods(space, shape, cp, tp),
             space.zero_stages,
             space.recompute,
             space.micro_batches,
@@ -180,8 +194,17 @@ def candidates(
             plan = Plan(dp=dp, tp=tp, pp=pp, schedule=sched, virtual_stages=v,
                         micro_batches=per_rank // b, micro_batch=b, zero_stage=zero,
                         sequence_parallel=sp, recompute=rec, precision=space.precision,
-                        stage_layers=layers)  # fmt: skip
+                        stage_layers=layers, cp=cp, cp_method=method)  # fmt: skip
             yield Layout(plan, r, alg, off)
+
+
+def _cp_methods(space: SearchSpace, shape: ModelShape, cp: int, tp: int) -> list[str]:
+    """The cp methods a cp x tp mesh can run: one (ring) without cp; all_to_all when cp
+    divides the heads and key/value heads per tp rank."""
+    if cp == 1:
+        return ["ring"]
+    heads = (shape.heads // tp, (shape.kv_heads or shape.heads) // tp)
+    return [m for m in space.cp_methods if m == "ring" or all(h % cp == 0 for h in heads)]
 
 
 def _group_links(hw: Hardware, spacing: int, n: int) -> GroupLinks:
@@ -194,11 +217,11 @@ def _dp_comm(shape: ModelShape, layout: Layout, hw: Hardware, base: Prediction) 
     plan = layout.plan
     if layout.dp_replicate > 1:
         inner = predict(shape, dataclasses.replace(plan, dp=layout.dp_shard), hw)
-        grads = _local_params(shape, plan) * GRAD_BYTES / layout.dp_shard
-        link = hw.collective_link("all_reduce", plan.tp * layout.dp_shard, layout.dp_replicate)
+        grads = _local_params(shape, plan) * GRAD_BYTES / layout.zero_shard
+        link = hw.collective_link("all_reduce", plan.tp * layout.zero_shard, layout.dp_replicate)
         return inner.breakdown["dp"] + ring_seconds(link, grads, layout.dp_replicate)
     nbytes = int(_local_params(shape, plan)) * GRAD_BYTES
-    links = _group_links(hw, plan.tp, plan.dp)
+    links = _group_links(hw, plan.tp, plan.zero_ranks)
     comm = predict_seconds(layout.allreduce_algorithm, nbytes, GRAD_BYTES, links)
     if not (plan.dp_overlap and hw.overlap):
         return comm
@@ -226,7 +249,7 @@ def predict_layout(
     if layout.offload_optimizer:
         if host_bw_bytes_per_s <= 0:
             raise ValueError("offload needs the device-host bandwidth (host_bw_bytes_per_s > 0)")
-        shard = layout.dp_shard if plan.zero_stage >= 1 else 1
+        shard = layout.zero_shard if plan.zero_stage >= 1 else 1
         owned = _local_params(shape, plan) / shard
         w = PRECISIONS[plan.precision]
         memory["states"] -= owned * (MASTER_AND_ADAM_BYTES - (4 if w == 4 else 0))
@@ -316,13 +339,13 @@ def ranks_to_fit(
 
 def prediction_record(pred: Prediction) -> dict[str, Any]:
     """A prediction as JSON: step seconds, its breakdown, memory bytes per device, and the
-    communication seconds per step (tp + p2p + dp, exposed)."""
+    communication seconds per step (tp + p2p + dp + cp, exposed)."""
     b = pred.breakdown
     return {
         "step_time_s": pred.step_s,
         "breakdown_s": dict(b),
         "memory_bytes_per_rank": dict(pred.memory),
-        "comm_s_per_step": b["tp"] + b["p2p"] + b["dp"],
+        "comm_s_per_step": b["tp"] + b["p2p"] + b["dp"] + b.get("cp", 0.0),
         "tokens_per_s": pred.tokens_per_step / pred.step_s,
     }
 

@@ -6,12 +6,17 @@ from dataclasses import dataclass
 
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1")
 RECOMPUTE = ("none", "selective", "full")
+CP_METHODS = ("ring", "all_to_all")
 PRECISIONS = {"bf16": 2, "fp16": 2, "fp32": 4}  # bytes of a weight / activation element
 
 
 @dataclass(frozen=True)
 class Plan:
-    """dp x tp x pp devices; ``micro_batches`` of ``micro_batch`` sequences per dp rank.
+    """dp x cp x tp x pp devices; ``micro_batches`` of ``micro_batch`` sequences per dp rank.
+
+    ``cp`` ranks split each sequence (context parallelism, ``cp_method`` ``ring`` or
+    ``all_to_all``; see ``costmodel.context``): they read the same sequences, and ZeRO shards
+    over dp x cp.
 
     ``virtual_stages`` is the interleaving degree v (interleaved only); ``sequence_parallel``
     splits the activations outside the tensor-parallel regions over tp (Korthikanti et al.
@@ -34,13 +39,17 @@ class Plan:
     precision: str = "bf16"
     dp_overlap: bool = True
     stage_layers: tuple[int, ...] | None = None
+    cp: int = 1
+    cp_method: str = "ring"
 
     def __post_init__(self) -> None:
-        for f in ("dp", "tp", "pp", "virtual_stages", "micro_batches", "micro_batch"):
+        for f in ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batches", "micro_batch"):
             if getattr(self, f) < 1:
                 raise ValueError(f"Plan.{f} must be >= 1, got {getattr(self, f)}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"Plan.schedule {self.schedule!r}; allowed: {SCHEDULES}")
+        if self.cp_method not in CP_METHODS:
+            raise ValueError(f"Plan.cp_method {self.cp_method!r}; allowed: {CP_METHODS}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"Plan.recompute {self.recompute!r}; allowed: {RECOMPUTE}")
         if self.precision not in PRECISIONS:
@@ -61,7 +70,13 @@ class Plan:
 
     @property
     def devices(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def zero_ranks(self) -> int:
+        """Ranks ZeRO shards over and gradients reduce over: dp x cp (cp ranks hold the same
+        parameters)."""
+        return self.dp * self.cp
 
     @property
     def global_batch(self) -> int:
@@ -95,7 +110,8 @@ class Plan:
         extras = [f"zero{self.zero_stage}", f"recompute={self.recompute}", self.precision]
         if self.sequence_parallel:
             extras.append("sp")
+        cp = f"cp{self.cp}{'' if self.cp_method == 'ring' else '(a2a)'} " if self.cp > 1 else ""
         return (
-            f"dp{self.dp} tp{self.tp} pp{self.pp} {sched} m={self.micro_batches} "
+            f"dp{self.dp} {cp}tp{self.tp} pp{self.pp} {sched} m={self.micro_batches} "
             f"b={self.micro_batch} " + " ".join(extras)
         )

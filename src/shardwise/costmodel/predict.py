@@ -18,7 +18,13 @@ Per device and step (every term in seconds, ``Prediction.breakdown``):
   parameter all-gathers of every micro-batch's forward and backward), minus what hides behind
   the backward of the last micro-batch (ZeRO-3: behind all compute) when ``dp_overlap`` and
   the hardware overlaps communication with compute (``Hardware.overlap``);
+- cp: context-parallel messages per layer and micro-batch (``costmodel.context``: ring K/V
+  blocks or all-to-alls of 1/cp of the activations), not overlapped;
 - optimizer: AdamW streaming its states through memory (36 bytes per local parameter).
+
+Under context parallelism (cp > 1) each rank holds 1/cp of every sequence: compute, tp and p2p
+messages and activations are 1/cp of the cp1 plan's, ZeRO shards and gradients reduce over
+dp x cp.
 
 Where ranks meet often inside the step (tensor-parallel collectives, pipeline messages), each
 meeting costs ``Hardware.sync_loss`` of the compute since the previous one: in all,
@@ -36,6 +42,7 @@ from dataclasses import dataclass
 
 from shardwise.comm.allreduce_rounds import LinkCost
 from shardwise.costmodel.activations import in_flight_activation_bytes, layer_activation_bytes
+from shardwise.costmodel.context import cp_seconds_per_layer
 from shardwise.costmodel.hardware import Hardware
 from shardwise.costmodel.memory import BYTES_PER_ELEMENT, model_states
 from shardwise.costmodel.plan import PRECISIONS, Plan
@@ -60,7 +67,7 @@ class Prediction:
     """One plan's predicted step on one hardware."""
 
     plan: Plan
-    breakdown: dict[str, float]  # seconds: compute, tp, bubble, p2p, dp, optimizer
+    breakdown: dict[str, float]  # seconds: compute, tp, bubble, p2p, dp, cp, optimizer
     memory: dict[str, float]  # bytes per device: states, activations, total
     tokens_per_step: int
     model_flops_per_step: float
@@ -118,7 +125,7 @@ def _flops_per_micro_batch(
 ) -> tuple[float, float]:
     """(model, hardware) FLOPs of one micro-batch on a device of a stage with ``layers``
     transformer layers, and the output head when ``head``."""
-    tokens = plan.micro_batch * shape.seq_len
+    tokens = plan.micro_batch * shape.seq_len / plan.cp  # this cp rank's
     layer_fwd = tokens * layers * shape.layer_forward_flops_per_token()
     logits_fwd = tokens * 2 * shape.hidden * shape.vocab if head else 0.0
     model = 3 * (layer_fwd + logits_fwd) / plan.tp
@@ -131,7 +138,8 @@ def _tp_seconds(shape: ModelShape, plan: Plan, hw: Hardware, layers: float) -> f
     """Tensor-parallel collectives of one micro-batch through ``layers`` layers."""
     if plan.tp == 1:
         return 0.0
-    nbytes = plan.micro_batch * shape.seq_len * shape.hidden * PRECISIONS[plan.precision]
+    nbytes = plan.micro_batch * shape.seq_len / plan.cp * shape.hidden
+    nbytes *= PRECISIONS[plan.precision]
     per_layer = 4 + (2 if plan.recompute == "full" else 0)
     ar = ring_seconds(hw.collective_link("all_reduce", 1, plan.tp), nbytes, plan.tp)
     return layers * per_layer * ar
@@ -140,21 +148,22 @@ def _tp_seconds(shape: ModelShape, plan: Plan, hw: Hardware, layers: float) -> f
 def _p2p_seconds(shape: ModelShape, plan: Plan, hw: Hardware) -> float:
     if plan.pp == 1:
         return 0.0
-    elems = plan.micro_batch * shape.seq_len * shape.hidden / plan.tp
-    link = hw.link(plan.dp * plan.tp, 2)
+    elems = plan.micro_batch * shape.seq_len / plan.cp * shape.hidden / plan.tp
+    link = hw.link(plan.dp * plan.cp * plan.tp, 2)
     msgs = 2 * plan.virtual_stages * plan.micro_batches
     return msgs * link.seconds(int(elems * PRECISIONS[plan.precision]))
 
 
 def _dp_seconds(shape: ModelShape, plan: Plan, hw: Hardware, compute_s: float) -> float:
-    if plan.dp == 1:
+    n = plan.zero_ranks  # cp ranks reduce their gradients with the dp ranks
+    if n == 1:
         return 0.0
     params = _stage_params(shape, plan)
     grads = params * GRAD_BYTES
     weights = params * PRECISIONS[plan.precision]
 
     def ring(op: str, nbytes: float) -> float:
-        return ring_seconds(hw.collective_link(op, plan.tp, plan.dp), nbytes, plan.dp, op)
+        return ring_seconds(hw.collective_link(op, plan.tp, n), nbytes, n, op)
 
     zs = ZeroStage.of(plan.zero_stage)
     if not zs.shard_grads:
@@ -200,7 +209,7 @@ def _memory(shape: ModelShape, plan: Plan) -> dict[str, float]:
     activations of the busiest rank (Korthikanti et al. 2022) plus the fp32 logits."""
     states = model_states(
         math.ceil(_stage_params(shape, plan)),
-        plan.dp,
+        plan.zero_ranks,
         plan.zero_stage,
         plan.precision,
         grad_dtype=GRAD_DTYPE,
@@ -216,8 +225,9 @@ def _memory(shape: ModelShape, plan: Plan) -> dict[str, float]:
         element_bytes=PRECISIONS[plan.precision],
     )
     layers = shape.layers / plan.pp
-    acts = in_flight_activation_bytes(per_layer, layers, plan.in_flight_micro_batches())
-    logits = shape.seq_len * plan.micro_batch * shape.vocab * 4 / plan.tp  # fp32 for the loss
+    in_flight = plan.in_flight_micro_batches()
+    acts = in_flight_activation_bytes(per_layer, layers, in_flight) / plan.cp  # 1/cp of tokens
+    logits = shape.seq_len / plan.cp * plan.micro_batch * shape.vocab * 4 / plan.tp  # fp32
     return {"states": states, "activations": acts + logits, "total": states + acts + logits}
 
 
@@ -231,16 +241,21 @@ def predict(shape: ModelShape, plan: Plan, hw: Hardware) -> Prediction:
     elif plan.pp > 1:
         p2p += sync
     sharded = ZeroStage.of(plan.zero_stage).shard_optimizer
-    opt_params = _stage_params(shape, plan) / (plan.dp if sharded else 1)
+    opt_params = _stage_params(shape, plan) / (plan.zero_ranks if sharded else 1)
+    cp = (
+        plan.micro_batches * max(_stage_layers(shape, plan)) * cp_seconds_per_layer(shape, plan, hw)
+    )
     breakdown = {
         "compute": compute,
         "tp": tp,
         "bubble": bubble,
         "p2p": p2p,
         "dp": _dp_seconds(shape, plan, hw, compute),
+        "cp": cp,
         "optimizer": opt_params * OPTIMIZER_BYTES_TOUCHED / hw.memory_bw_bytes_per_s,
     }
-    replicas = plan.dp * plan.tp  # model_mb, hw_mb: one micro-batch through one pipeline
+    # model_mb, hw_mb: one micro-batch through one pipeline, on one of its cp x tp ranks
+    replicas = plan.dp * plan.cp * plan.tp
     return Prediction(
         plan=plan,
         breakdown=breakdown,

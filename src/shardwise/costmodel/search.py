@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass
 
 from shardwise.costmodel.hardware import Hardware
-from shardwise.costmodel.plan import Plan
+from shardwise.costmodel.plan import CP_METHODS, Plan
 from shardwise.costmodel.predict import Prediction, predict, ring_seconds
 from shardwise.costmodel.shapes import ModelShape
 from shardwise.parallel.layout import (
@@ -55,18 +55,23 @@ def _valid(
 
 def _layouts(
     shape: ModelShape, devices: int, hw: Hardware, global_batch: int
-) -> list[tuple[int, int]]:
-    """(tp, pp) pairs the shared layout check accepts, with tp inside a node and pp dividing
-    the layers (the cost model splits them evenly). Raises the check's ``ValueError`` for
-    plain data parallelism when no pair is valid: it names what would work."""
+) -> list[tuple[int, int, int, str]]:
+    """(tp, pp, cp, cp method) the shared layout check accepts, with tp inside a node and pp
+    dividing the layers (the cost model splits them evenly). Raises the check's
+    ``ValueError`` for plain data parallelism when none is valid: it names what would work."""
     dims, pairs = model_dims(shape), []
     for tp in divisors(devices):
         if tp > hw.devices_per_node:
             continue
-        for pp in divisors(devices // tp):
-            layout = Layout(world_size=devices, tp=tp, pp=pp, sequence_parallel=tp > 1)
+        for pp, cp, method in itertools.product(
+            divisors(devices // tp), divisors(devices // tp), CP_METHODS
+        ):
+            if (devices // tp) % (pp * cp) or (cp == 1 and method != "ring"):
+                continue
+            layout = Layout(world_size=devices, tp=tp, pp=pp, cp=cp, cp_method=method,
+                            sequence_parallel=tp > 1)  # fmt: skip
             if shape.layers % pp == 0 and _valid(layout, dims, global_batch=global_batch):
-                pairs.append((tp, pp))
+                pairs.append((tp, pp, cp, method))
     if not pairs:
         plain = Layout(world_size=devices)
         check_layout(plain, model=dims, global_batch=global_batch, flags=PLAN_FLAGS)
@@ -74,12 +79,13 @@ def _layouts(
 
 
 def candidate_plans(shape: ModelShape, devices: int, hw: Hardware, global_batch: int) -> list[Plan]:
-    """tp inside a node and dividing the heads, pp dividing the layers, every micro-batch size,
+    """tp inside a node and dividing the heads, pp dividing the layers, cp splitting the
+    sequence (either method), every micro-batch size,
     schedule, ZeRO stage and recomputation; sequence parallelism whenever tp > 1. Layouts go
     through ``shardwise.parallel.layout.check_layout``, as ``train``'s do."""
     plans = []
-    for tp, pp in _layouts(shape, devices, hw, global_batch):
-        dp = devices // (tp * pp)
+    for tp, pp, cp, method in _layouts(shape, devices, hw, global_batch):
+        dp = devices // (tp * pp * cp)
         per_rank = global_batch // dp
         scheds = [("1f1b", 1)]
         if pp > 1:
@@ -90,14 +96,16 @@ def candidate_plans(shape: ModelShape, devices: int, hw: Hardware, global_batch:
             if per_rank % b:
                 continue
             m = per_rank // b
-            pipe = Layout(world_size=devices, tp=tp, pp=pp, schedule=SCHEDULE_NAMES[sched],
-                          microbatches=m, virtual_stages=v)  # fmt: skip
+            pipe = Layout(world_size=devices, tp=tp, pp=pp, cp=cp, cp_method=method,
+                          schedule=SCHEDULE_NAMES[sched], microbatches=m,
+                          virtual_stages=v)  # fmt: skip
             if pp > 1 and not _valid(pipe, model_dims(shape), micro_batch=per_rank):
                 continue
             for zero, rec in itertools.product((0, 1, 2, 3), ("none", "selective", "full")):
                 plans.append(
                     Plan(dp=dp, tp=tp, pp=pp, schedule=sched, virtual_stages=v, micro_batches=m,
-                         micro_batch=b, zero_stage=zero, sequence_parallel=tp > 1, recompute=rec)
+                         micro_batch=b, zero_stage=zero, sequence_parallel=tp > 1, recompute=rec,
+                         cp=cp, cp_method=method)
                 )  # fmt: skip
     return plans
 
@@ -123,7 +131,7 @@ class ScalingPoint:
     devices: int
     best: Prediction | None  # None: no plan fits
     efficiency: float  # tokens/s per device over the smallest count's
-    exposed_comm: float  # (tp + p2p + dp) / step
+    exposed_comm: float  # (tp + p2p + dp + cp) / step
     allreduce_busbw: float  # bytes/s of the gradient all-reduce over dp (nccl-tests busbw)
 
 
@@ -154,7 +162,7 @@ def scaling(
             continue
         base = base or best.tokens_per_s_per_device
         b = best.breakdown
-        comm = (b["tp"] + b["p2p"] + b["dp"]) / best.step_s
+        comm = (b["tp"] + b["p2p"] + b["dp"] + b["cp"]) / best.step_s
         points.append(
             ScalingPoint(
                 n, best, best.tokens_per_s_per_device / base, comm, _busbw(shape, best, hw)
@@ -164,10 +172,11 @@ def scaling(
 
 
 def _busbw(shape: ModelShape, pred: Prediction, hw: Hardware) -> float:
-    """nccl-tests busbw of an all-reduce of this plan's gradients over dp: 2(n-1)/n S / t."""
-    plan = pred.plan
-    if plan.dp == 1:
+    """nccl-tests busbw of an all-reduce of this plan's gradients over dp (x cp): 2(n-1)/n S /
+    t."""
+    plan, n = pred.plan, pred.plan.zero_ranks
+    if n == 1:
         return 0.0
     nbytes = shape.params() / (plan.tp * plan.pp) * 4
-    seconds = ring_seconds(hw.link(plan.tp, plan.dp), nbytes, plan.dp)
-    return 2 * (plan.dp - 1) / plan.dp * nbytes / seconds
+    seconds = ring_seconds(hw.link(plan.tp, n), nbytes, n)
+    return 2 * (n - 1) / n * nbytes / seconds

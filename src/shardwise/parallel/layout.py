@@ -1,7 +1,7 @@
 """One validation of a parallel layout, shared by ``shardwise plan``, ``estimate``,
 ``pipeline simulate`` and ``train``: what one of them accepts, the others accept too.
 
-A layout is dp x tp x pp ranks (dp split into ``dp_replicate`` replicas under HSDP), an
+A layout is dp x cp x tp x pp ranks (dp split into ``dp_replicate`` replicas under HSDP), an
 optional pipeline schedule with its micro-batches and virtual stages, and sequence
 parallelism. ``check_layout`` refuses one the ranks, the model or the batch cannot split
 evenly, with one line naming the flag at fault and the nearest values that would work. Each
@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from shardwise.models.gpt import GPTConfig
+from shardwise.parallel.context.attention import METHODS as CP_METHODS
 from shardwise.parallel.pipeline.schedule import SCHEDULES
 
 MAX_DEVICES = 1 << 20
@@ -41,6 +42,10 @@ class Layout:
     """Tensor-parallel degree."""
     pp: int = 1
     """Pipeline-parallel degree (pipeline ranks)."""
+    cp: int = 1
+    """Context-parallel degree: ranks splitting each sequence."""
+    cp_method: str = "ring"
+    """Context-parallel attention, ``ring`` or ``all_to_all`` (heads split over cp)."""
     dp_replicate: int = 1
     """HSDP: replicas the dp ranks form (1: ZeRO shards over all of them)."""
     sequence_parallel: bool = False
@@ -59,8 +64,8 @@ class Layout:
 
     @property
     def dp(self) -> int:
-        """Data-parallel ranks: the world over tp x pp."""
-        return self.world_size // (self.tp * self.pp)
+        """Data-parallel ranks: the world over tp x pp x cp."""
+        return self.world_size // (self.tp * self.pp * self.cp)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +93,8 @@ class Flags:
     world: str = "the {n} ranks (--nproc-per-node x --nnodes)"
     tp: str = "--tp"
     pp: str = "--pp"
+    cp: str = "--cp"
+    cp_method: str = "--cp-method"
     dp_replicate: str = "--dp-replicate"
     sequence_parallel: str = "--sequence-parallel"
     schedule: str = "--schedule"
@@ -181,6 +188,7 @@ def _check_counts(layout: Layout, flags: Flags) -> None:
         (flags.pp, layout.pp, MAX_STAGES),
         (flags.world, layout.world_size, MAX_DEVICES),
         (flags.tp, layout.tp, MAX_DEVICES),
+        (flags.cp, layout.cp, MAX_DEVICES),
         (flags.dp_replicate, layout.dp_replicate, MAX_DEVICES),
         (flags.virtual_stages, layout.virtual_stages, MAX_VIRTUAL_STAGES),
         (flags.microbatches, m, MAX_MICROBATCHES),
@@ -197,16 +205,12 @@ def _check_counts(layout: Layout, flags: Flags) -> None:
 
 
 def _check_ranks(layout: Layout, flags: Flags) -> None:
-    tp, pp, world = layout.tp, layout.pp, layout.world_size
-    if world % (tp * pp):
-        what = (
-            f"{flags.tp} {tp}"
-            if pp == 1
-            else f"{flags.pp} {pp}"
-            if tp == 1
-            else f"{flags.tp} {tp} x {flags.pp} {pp}"
-        )
-        worlds = _either(_multiples(tp * pp, world))
+    tp, pp, cp, world = layout.tp, layout.pp, layout.cp, layout.world_size
+    if world % (tp * pp * cp):
+        degrees = [(flags.tp, tp), (flags.pp, pp), (flags.cp, cp)]
+        named = [f"{flag} {k}" for flag, k in degrees if k > 1] or [f"{flags.tp} {tp}"]
+        what = " x ".join(named)
+        worlds = _either(_multiples(tp * pp * cp, world))
         raise ValueError(
             f"{what} does not divide {flags.world_is(world)}: use {flags.world_is(worlds)}, "
             f"or degrees whose product divides {world} ({_either(divisors(world)[:8])})"
@@ -260,6 +264,7 @@ def _check_model(layout: Layout, model: ModelDims, flags: Flags) -> None:
             f"{flags.tp} {tp} does not divide the {name} model's n_head={model.n_head} heads "
             f"and d_model={model.d_model}: use {_either(_near(both, tp))}"
         )
+    _check_context(layout, model, flags)
     if layout.sequence_parallel and model.seq_len % tp:
         raise ValueError(
             f"{flags.sequence_parallel} needs the sequence length {model.seq_len} divisible by "
@@ -277,6 +282,32 @@ def _check_model(layout: Layout, model: ModelDims, flags: Flags) -> None:
         )
 
 
+def _check_context(layout: Layout, model: ModelDims, flags: Flags) -> None:
+    """cp splits each sequence into 2 x cp load-balanced chunks (rank r holds chunks r and
+    2cp - 1 - r); all_to_all splits each tp rank's heads over cp."""
+    cp = layout.cp
+    if layout.cp_method not in CP_METHODS:
+        raise ValueError(
+            f"{flags.cp_method} must be one of {', '.join(CP_METHODS)}, got {layout.cp_method!r}"
+        )
+    if cp == 1:
+        return
+    if model.seq_len % (2 * cp):
+        raise ValueError(
+            f"{flags.cp} {cp} splits each sequence into 2 x cp = {2 * cp} equal chunks: the "
+            f"sequence length {model.seq_len} must divide by {2 * cp}: change {flags.seq_len} "
+            f"(e.g. {_either(_multiples(2 * cp, model.seq_len))}) or {flags.cp}"
+        )
+    heads = model.n_head // layout.tp
+    if layout.cp_method == "all_to_all" and heads % cp:
+        near = _either(_near(divisors(heads), cp))
+        raise ValueError(
+            f"{flags.cp_method} all_to_all splits the {heads} heads per tp rank of the "
+            f"{model.name} model over {flags.cp} {cp}: use {flags.cp} {near} "
+            f"or {flags.cp_method} ring"
+        )
+
+
 def _check_micro_batch(layout: Layout, micro_batch: int, flags: Flags) -> None:
     m = layout.pipeline_microbatches
     if layout.pp > 1 and micro_batch % m:
@@ -291,7 +322,7 @@ def _check_micro_batch(layout: Layout, micro_batch: int, flags: Flags) -> None:
 def _check_global_batch(layout: Layout, global_batch: int, flags: Flags) -> None:
     dp = layout.dp
     if global_batch % dp:
-        per_dp = layout.tp * layout.pp
+        per_dp = layout.tp * layout.pp * layout.cp
         worlds = [d * per_dp for d in _near(divisors(global_batch), dp)]
         raise ValueError(
             f"{flags.global_batch} {global_batch} does not split over the {dp} data-parallel "

@@ -21,7 +21,7 @@ from shardwise.mesh import Mesh
 from shardwise.parallel.context import ContextParallel, apply_context_parallel
 from shardwise.parallel.pipeline.stage import Entry, PipelineModule, Tied
 from shardwise.parallel.placement import Placement
-from shardwise.parallel.tensor.parallelize import TensorParallel
+from shardwise.parallel.tensor.parallelize import TensorParallel, refuse_unmatched_on_every_stage
 from shardwise.parallel.tensor.parallelize import parallelize as tensor_parallelize
 from shardwise.recompute import apply_activation_checkpointing
 
@@ -107,7 +107,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Parallelize
     fit the model or the mesh (see ``shardwise.parallel.tensor.parallelize``).
     Communicates: with a pipeline, the tied modules' groups and one broadcast per tied tensor
     (``PipelineModule``), and one all_gather_object over pp of the tensor plan's unmatched
-    patterns.
+    patterns, and one of the context plan's.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a shardwise Mesh, got {type(mesh).__name__}")
@@ -153,10 +153,12 @@ def _context(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> ContextParall
                 "ParallelPlan(context=ContextPlan(...)) or a mesh with cp=1"
             )
         return None
-    unmatched: list[str] | None = [] if plan.pipeline is not None else None
-    return apply_context_parallel(
-        module, mesh, plan.context.modules, plan.context.method, unmatched
-    )
+    if plan.pipeline is None:
+        return apply_context_parallel(module, mesh, plan.context.modules, plan.context.method)
+    unmatched: list[str] = []  # a stage holds some layers: a pattern must match on some stage
+    cp = apply_context_parallel(module, mesh, plan.context.modules, plan.context.method, unmatched)
+    refuse_unmatched_on_every_stage(module, mesh, plan.context.modules, unmatched)
+    return cp
 
 
 def pipeline_names(

@@ -31,8 +31,9 @@ SCHEDULE_NAMES = {"1f1b": "1f1b", "interleaved": "interleaved_1f1b", "gpipe": "g
 TRAIN_RECOMPUTE = ("none", "full")
 """Recomputation the train command runs: none, or every block (--activation-checkpointing)."""
 
-PINNABLE = ("tp", "pp", "dp_replicate", "zero", "micro_batch", "grad_accum", "schedule",
-            "microbatches", "activation_checkpointing", "sequence_parallel")  # fmt: skip
+PINNABLE = ("tp", "pp", "cp", "cp_method", "dp_replicate", "zero", "micro_batch", "grad_accum",
+            "schedule", "microbatches", "activation_checkpointing",
+            "sequence_parallel")  # fmt: skip
 """Train flags that pin a dimension of the search when given with ``--auto``."""
 
 
@@ -78,6 +79,8 @@ def train_settings(layout: Layout) -> dict[str, Any]:
     out: dict[str, Any] = {
         "tp": plan.tp,
         "pp": plan.pp,
+        "cp": plan.cp,
+        "cp_method": plan.cp_method,
         "dp_replicate": layout.dp_replicate,
         "zero": plan.zero_stage,
         "activation_checkpointing": plan.recompute == "full",
@@ -119,6 +122,8 @@ def run_config(base: RunConfig, layout: Layout) -> RunConfig:
         base.train,
         tp=s["tp"],
         pp=s["pp"],
+        cp=s["cp"],
+        cp_method=s["cp_method"],
         dp_replicate=s["dp_replicate"],
         sequence_parallel=s["sequence_parallel"],
     )

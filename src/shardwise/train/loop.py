@@ -131,7 +131,7 @@ class Trainer:
         losses = []
         for _ in range(self.run_cfg.engine.gradient_accumulation_steps):
             x, y = self.sampler.next_batch()  # [micro_batch, seq_len] each
-            loss = self.engine(x, y)
+            loss = self.built.forward_loss(self.engine, x, y)
             self.engine.backward(loss)
             losses.append(float(loss.detach()))
         return losses
@@ -212,7 +212,7 @@ class Trainer:
         ]
         x = torch.cat([b[0] for b in batches])  # [accum * micro_batch, seq_len]
         y = torch.cat([b[1] for b in batches])
-        loss = self.pipe.train_batch(x, y)  # averaged over dp already
+        loss = self.pipe.train_batch(*self.built.split(x, y))  # averaged over dp already
         return [float(loss)], self.engine.memory(), local_times(self.pipe.executor)
 
     @torch.no_grad()
@@ -232,7 +232,10 @@ class Trainer:
         total = 0.0
         for _ in range(self.opts.eval_batches):
             x, y = val.next_batch()
-            loss = self.engine(x, y) if self.pipe is None else self.pipe.eval_batch(x, y)
+            if self.pipe is None:
+                loss = self.built.forward_loss(self.engine, x, y)
+            else:
+                loss = self.pipe.eval_batch(*self.built.split(x, y))
             total += float(loss.float())
         self.engine.train()
         mean = torch.tensor([total / self.opts.eval_batches], dtype=torch.float64)

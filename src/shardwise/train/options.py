@@ -17,6 +17,7 @@ from typing import Any
 from shardwise.config import Config
 from shardwise.costmodel.memory import gpt_params_per_rank
 from shardwise.models.gpt import MODEL_SIZES, GPTConfig
+from shardwise.parallel.context.attention import METHODS as CP_METHODS
 
 DEFAULT_STEPS = 600
 """Optimizer steps of the default run (2-4 minutes at 2 ranks on 2 CPU cores)."""
@@ -56,6 +57,11 @@ class TrainOptions:
     """Under tensor parallelism, run norms and dropout on 1/tp of the sequence."""
     pp: int = 1
     """Pipeline-parallel degree: stages the model's layers are split into (the mesh's pp axis)."""
+    cp: int = 1
+    """Context-parallel degree: ranks splitting each sequence (the mesh's cp axis)."""
+    cp_method: str = "ring"
+    """Context-parallel attention: ``ring`` (K/V around the cp ring) or ``all_to_all``
+    (heads over cp; the heads per tp rank must divide by cp)."""
     dp_replicate: int = 1
     """Hierarchical sharding (HSDP): the dp ranks form this many replicas, each sharding the
     model states over its own dp / dp_replicate consecutive ranks (one node, launched so); 1:
@@ -70,9 +76,13 @@ class TrainOptions:
             raise ValueError(
                 f"--model {self.model!r} is unknown: choose one of {', '.join(MODEL_SIZES)}"
             )
-        for name in ("steps", "eval_batches", "log_every", "tp", "pp", "dp_replicate"):
+        for name in ("steps", "eval_batches", "log_every", "tp", "pp", "cp", "dp_replicate"):
             _at_least(name, getattr(self, name), 1)
         _at_least("eval_every", self.eval_every, 0)
+        if self.cp_method not in CP_METHODS:
+            raise ValueError(
+                f"--cp-method must be one of {', '.join(CP_METHODS)}, got {self.cp_method!r}"
+            )
         if self.seq_len is not None:
             _at_least("seq_len", self.seq_len, 2)
         if self.warmup_steps is not None:
@@ -143,8 +153,9 @@ class RunConfig:
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel replicas: the ranks over ``tp x pp``; each reads its own batches."""
-        return self.world_size // (self.train.tp * self.train.pp)
+        """Data-parallel replicas: the ranks over ``tp x pp x cp``; each reads its own batches
+        (a batch's cp ranks read the same one, each keeping 1/cp of every sequence)."""
+        return self.world_size // (self.train.tp * self.train.pp * self.train.cp)
 
     @property
     def global_batch_size(self) -> int:
@@ -160,7 +171,12 @@ class RunConfig:
         """The mesh in words, e.g. ``dp2 x tp2`` (axes of size 1 left out unless all are)."""
         r = self.train.dp_replicate
         dp = f"dp{self.dp_size}" + (f" ({r} replicas of {self.dp_size // r})" if r > 1 else "")
-        sizes = (("pp", self.train.pp), ("dp", self.dp_size), ("tp", self.train.tp))
+        sizes = (
+            ("pp", self.train.pp),
+            ("dp", self.dp_size),
+            ("cp", self.train.cp),
+            ("tp", self.train.tp),
+        )
         named = [dp if axis == "dp" else f"{axis}{size}" for axis, size in sizes if size > 1]
         return " x ".join(named) if named else "dp1"
 

@@ -4,6 +4,7 @@ tensor and sequence parallelism). ZeRO over dp comes after, in ``shardwise.initi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,27 @@ class BuiltModel:
     """The ``GPT`` (tp-split under ``--tp``) or this pp rank's ``PipelineModule``."""
     aliases: dict[str, str] = field(default_factory=dict)
     """Pipeline only: GPT state-dict names that repeat another tensor (the tied head)."""
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    """Under ``--cp``: the loss on this rank's logits over every cp rank's tokens."""
+
+    def split(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's tokens of a batch ([batch, seq] -> [batch, seq / cp]) under ``--cp``
+        (every cp rank reads the same batch), else the batch."""
+        context = self.parallelized.context
+        if context is None:
+            return x, y
+        xs, ys = context.split(x, y)
+        return xs, ys
+
+    def forward_loss(
+        self, engine: Callable[..., torch.Tensor], x: torch.Tensor, y: torch.Tensor
+    ) -> torch.Tensor:
+        """The mean loss of a batch through ``engine`` (the model's forward): under ``--cp``
+        over every cp rank's tokens (the same value on each), else the model's own loss."""
+        if self.loss is None:
+            return engine(x, y)
+        xs, ys = self.split(x, y)
+        return self.loss(engine(xs), ys)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -56,11 +78,13 @@ class BuiltModel:
 
 
 def build_mesh(run: RunConfig, world: World) -> Mesh:
-    """The run's mesh: ``--tp`` and ``--pp`` as given, dp filling the rest of the world (split
-    into ``--dp-replicate`` replicas). Every rank calls it (groups form collectively)."""
+    """The run's mesh: ``--tp``, ``--pp`` and ``--cp`` as given, dp filling the rest of the
+    world (split into ``--dp-replicate`` replicas). Every rank calls it (groups form
+    collectively)."""
     r = run.train.dp_replicate
     replicate = r if r > 1 else None
-    return Mesh(dp=-1, tp=run.train.tp, pp=run.train.pp, dp_replicate=replicate, world=world)
+    t = run.train
+    return Mesh(dp=-1, tp=t.tp, pp=t.pp, cp=t.cp, dp_replicate=replicate, world=world)
 
 
 def build_model(run: RunConfig, mesh: Mesh) -> BuiltModel:
@@ -75,9 +99,11 @@ def build_model(run: RunConfig, mesh: Mesh) -> BuiltModel:
         mesh,
         sequence_parallel=run.train.sequence_parallel,
         virtual_stages=run.engine.pipeline_virtual_stages or 1,
+        cp_method=run.train.cp_method,
     )
     aliases = state_aliases(model) if mesh.pp_size > 1 else {}
-    return BuiltModel(parallelize(model, mesh, plan), aliases)
+    loss = plans.gpt.loss(run.model, mesh) if mesh.cp_size > 1 else None
+    return BuiltModel(parallelize(model, mesh, plan), aliases, loss)
 
 
 def gpt_pipeline_names(model: GPT) -> dict[str, str]:

@@ -41,7 +41,7 @@ def memory_estimate(run: RunConfig) -> dict[str, int]:
     cfg = run.model
     est = estimate_model_states(
         run.params_per_rank(),
-        zero_shard_size(run.dp_size, run.train.dp_replicate),
+        zero_shard_size(run.dp_size * run.train.cp, run.train.dp_replicate),  # dp x cp
         run.engine.precision,
         offload=run.engine.offload_optimizer,
         reduce_dtype=run.engine.reduce_dtype,
@@ -49,7 +49,7 @@ def memory_estimate(run: RunConfig) -> dict[str, int]:
     act = estimate_activations(
         cfg,
         run.micro_batch,
-        cfg.seq_len,
+        cfg.seq_len // run.train.cp,  # a cp rank's tokens of each sequence
         run.engine.precision,
         checkpointing=bool(run.engine.activation_checkpointing),
     )

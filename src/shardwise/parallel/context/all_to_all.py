@@ -37,7 +37,10 @@ def _heads_to_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
     c = group.size
     parts = x.reshape(b, hc, c, s_full // c, d).permute(2, 0, 1, 3, 4).contiguous()
     got = ops.all_to_all(parts, group=group)  # [cp (head group), b, h/cp, s/cp, d]
-    return got.transpose(0, 1).reshape(b, c * hc, s_full // c, d)
+    # stored as [b, s/cp, h, d] (the model's layout after attention: its transpose back is
+    # then a view, and the output projection keeps no copy of it)
+    seq_major = got.permute(1, 3, 0, 2, 4).reshape(b, s_full // c, c * hc, d)
+    return seq_major.transpose(1, 2)
 
 
 class SeqToHeads(torch.autograd.Function):
@@ -94,7 +97,6 @@ def all_to_all_attention(
     qh, kh, vh = (SeqToHeads.apply(t.contiguous(), group) for t in (q, k, v))
     local = q.shape[2]
     pos = torch.cat([layout.positions_of(r, local, q.device) for r in range(c)])
-    mask = blocks.allowed(pos, pos, causal, key_valid)
-    out, _ = blocks.attend(qh, kh, vh, mask, scale)
+    out = blocks.WholeAttention.apply(qh, kh, vh, pos, pos, causal, key_valid, scale)
     result: torch.Tensor = HeadsToSeq.apply(out.to(q.dtype), group)
     return result

@@ -9,6 +9,8 @@ fp32. A query that may see no key at all (every key masked) gets output 0 and ``
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -101,3 +103,40 @@ def block_grads(
     dq = torch.matmul(ds, kr) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
     return dq, fold_kv(dk, kv_heads), fold_kv(dv, kv_heads)
+
+
+class WholeAttention(torch.autograd.Function):
+    """``apply(q, k, v, q_pos, k_pos, causal, key_valid, scale) -> out`` fp32 [b, h, sq, d]:
+    ``attend`` under the ``allowed`` mask of the positions, keeping for backward only what
+    FlashAttention keeps (q, k, v and the log-sum-exp; the output and the probabilities are
+    recomputed), never the [sq, sk] scores: activations stay linear in the sequence."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_pos: torch.Tensor,
+        k_pos: torch.Tensor,
+        causal: bool,
+        key_valid: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        out, lse = attend(q, k, v, allowed(q_pos, k_pos, causal, key_valid), scale)
+        ctx.save_for_backward(q, k, v, lse)
+        ctx.meta = (q_pos, k_pos, causal, key_valid, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, lse = ctx.saved_tensors
+        q_pos, k_pos, causal, key_valid, scale = ctx.meta
+        mask = allowed(q_pos, k_pos, causal, key_valid)
+        out = torch.matmul(
+            _probs(_scores(q, k, mask, scale), lse), repeat_kv(v, q.shape[1]).float()
+        )
+        dout = dout.float()
+        delta = (dout * out).sum(-1)
+        dq, dk, dv = block_grads(q, k, v, mask, scale, lse, dout, delta)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None

@@ -77,6 +77,9 @@ class RingAttention(torch.autograd.Function):
                 pending[0].wait()
                 kv = pending[1].wait()
         assert out is not None
+        # stored as [b, s/cp, h, d], the model's layout after attention: its transpose back is
+        # a view, so the output projection's saved input is this same tensor
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.meta = (group, layout, causal, scale, key_valid)
         return out.to(q.dtype)

@@ -252,11 +252,19 @@ def _resolve(model: nn.Module, mesh: Mesh, plan: Mapping[str, str]) -> dict[str,
         return resolve(model, plan)
     unmatched: list[str] = []
     styles = resolve(model, plan, unmatched)
+    refuse_unmatched_on_every_stage(model, mesh, plan, unmatched)
+    return styles
+
+
+def refuse_unmatched_on_every_stage(
+    model: nn.Module, mesh: Mesh, plan: Mapping[str, str], unmatched: list[str]
+) -> None:
+    """Raise for a pattern of ``plan`` that matches no module on any pp stage (``unmatched``:
+    this stage's), the same on every pp rank. Communicates: one all_gather_object over pp."""
     per_stage = all_gather_object(unmatched, group=mesh.group(Axis.PP))
     for pattern in plan:
         if all(pattern in stage for stage in per_stage):
             raise unmatched_error(pattern, plan[pattern], model)
-    return styles
 
 
 def parallelize(
