@@ -201,7 +201,7 @@ def _changed_on_resume(args: argparse.Namespace, run: RunConfig) -> list[str]:
     return [
         f
         for f, v in saved.items()
-        if f not in RESUMABLE and getattr(args, f) is not None and getattr(args, f) != v
+        if f not in RESUMABLE and getattr(args, f, None) not in (None, v)
     ]
 
 

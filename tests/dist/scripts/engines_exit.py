@@ -26,7 +26,7 @@ def gloo_workers() -> int:
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 names.append(f.read().strip())
-        except FileNotFoundError:  # a thread that ended meanwhile
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
             pass
     return sum(n.startswith(("pt_gloo", "gloo_tcp")) for n in names)
 
