@@ -24,7 +24,7 @@ from shardwise.comm import World, current_world, ops
 from shardwise.comm.groups import Group
 from shardwise.train.loop import param_groups
 from shardwise.train.options import RunConfig
-from shardwise.train.parallel import build_mesh, build_model
+from shardwise.train.parallel import BuiltModel, build_mesh, build_model
 
 
 class Trial:
@@ -41,9 +41,11 @@ class Trial:
             torch.manual_seed(run.engine.seed)
             model: torch.nn.Module = GPT(run.model)
             dp_rank, dp_size, pipeline = 0, 1, False
+            self.built: BuiltModel | None = None
         else:
             built = build_model(run, mesh)
             model, pipeline = built.module, built.pipeline
+            self.built = built  # its batches split as the trainer splits them (cp)
             dp_rank, dp_size = mesh.group("dp").rank, mesh.group("dp").size
         model.to(current_world.device())  # a GPU rank times its GPU
         opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, betas=(0.9, 0.95))
@@ -62,11 +64,15 @@ class Trial:
         x = torch.randint(0, cfg.vocab_size, (self.rows, cfg.seq_len + 1), generator=self.gen)
         x = x.to(dev)
         t0 = time.perf_counter()
+        built = self.built
         if self.pipeline:
-            self.engine.train_batch(x[:, :-1], x[:, 1:])  # type: ignore[attr-defined]
+            assert built is not None
+            self.engine.train_batch(*built.split(x[:, :-1], x[:, 1:]))  # type: ignore[attr-defined]
         else:
             for chunk in x.split(self.run.micro_batch):
-                self.engine.backward(self.engine(chunk[:, :-1], chunk[:, 1:]))
+                xs, ys = chunk[:, :-1], chunk[:, 1:]
+                loss = built.forward_loss(self.engine, xs, ys) if built else self.engine(xs, ys)
+                self.engine.backward(loss)
             self.engine.step()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
