@@ -14,6 +14,15 @@ import torch
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, epoch) over generator seeds
 
 
+def check_counts(dp_rank: int, dp_size: int, **counts: int) -> None:
+    """Refuse a count below 1 (or not an int) and a dp rank outside the dp size, naming it."""
+    for name, value in {**counts, "dp_size": dp_size}.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r}: set it to an int >= 1")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
+
+
 class DistributedBatchSampler:
     """Yields this data-parallel rank's micro-batches of ``(inputs, targets)``.
 
@@ -42,16 +51,9 @@ class DistributedBatchSampler:
         seed: int = 0,
         grad_accum: int = 1,
     ) -> None:
-        for name, value in (
-            ("seq_len", seq_len),
-            ("micro_batch", micro_batch),
-            ("dp_size", dp_size),
-            ("grad_accum", grad_accum),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r}: set it to an int >= 1")
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
+        check_counts(
+            dp_rank, dp_size, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum
+        )
         if tokens.dim() != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
         if tokens.numel() < seq_len + 1:

@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from shardwise.data.sampler import check_counts
+
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, epoch) over generator seeds
 
 RowsOf = Callable[[list[int]], list[list[int]]]
@@ -52,16 +54,13 @@ class ExampleSampler:
         rows_of: RowsOf = single_rows,
         fingerprint: str = "",
     ) -> None:
-        for name, value in (
-            ("num_examples", num_examples),
-            ("micro_batch", micro_batch),
-            ("dp_size", dp_size),
-            ("grad_accum", grad_accum),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r}: set it to an int >= 1")
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
+        check_counts(
+            dp_rank,
+            dp_size,
+            num_examples=num_examples,
+            micro_batch=micro_batch,
+            grad_accum=grad_accum,
+        )
         self.num_examples, self.seed, self.fingerprint = num_examples, seed, fingerprint
         self.micro_batch, self.grad_accum = micro_batch, grad_accum
         self.dp_rank, self.dp_size = dp_rank, dp_size
