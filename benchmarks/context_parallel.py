@@ -3,14 +3,17 @@ parallelism (tp=2) on the anchor GPT at a sequence 4x its default, and torch's o
 ``torch.distributed.tensor.experimental.context_parallel`` where it runs on CPU.
 
     python benchmarks/context_parallel.py [--model anchor] [--seq-factor 4] [--seqs 2]
-        [--steps 4] [--warmup 1] [--systems dp2,tp2,cp2_ring,cp2_a2a,torch_cp2] [--json out]
+        [--steps 4] [--warmup 1] [--rounds 3] [--systems dp2,tp2,cp2_ring,cp2_a2a,torch_cp2]
+        [--json out]
 
 Every shardwise system goes through ``plans.gpt.plan`` + ``shardwise.parallelize`` +
 ``shardwise.initialize`` (ZeRO-0, fp32, AdamW lr 1e-3, gloo, one thread per rank), from the
 same weights on the same batches (``--seqs`` sequences per step in all: dp splits them, tp and
 cp run all of them), so the losses agree. Per system: the median step (slowest rank, between
-barriers), the bytes ``comm_stats()`` counts per step, the bytes the forward saves for backward
-on a rank (``shardwise.testing.SavedTensorBytes``: the activations), and the peak RSS of a rank.
+barriers; the systems take turns for ``--rounds`` rounds, each in a fresh pair of processes, so
+every system sees the same drift of the machine), the bytes ``comm_stats()`` counts per step,
+the bytes the forward saves for backward on a rank (``shardwise.testing.SavedTensorBytes``:
+the activations), and the peak RSS of a rank.
 torch's context parallelism is tried on one causal attention call (its ring over the device
 mesh); on CPU it is reported as the error it raises, if it raises.
 """
@@ -24,7 +27,6 @@ import os
 import resource
 import statistics
 import time
-from typing import Any
 
 import torch
 from provenance import source_version
@@ -121,15 +123,18 @@ def torch_cp_rank(model: str, factor: int) -> str:
         return f"does not run on CPU/gloo: {type(exc).__name__}: {str(exc).splitlines()[0]}"
 
 
-def _row(system: str, results: list[dict]) -> dict:
-    step_s = [max(s) for s in zip(*(r["times"] for r in results))]
+def _row(system: str, rounds: list[list[dict]]) -> dict:
+    # A step's time is its slowest rank's; the median is over every timed step of every round.
+    step_s = [max(s) for results in rounds for s in zip(*(r["times"] for r in results))]
+    results = rounds[-1]
     losses = [statistics.fmean(ls) for ls in zip(*(r["losses"] for r in results))]
     return {
         "system": system,
         "step_s_median": statistics.median(step_s),
+        "step_s_all": step_s,
         "bytes_per_step": results[0]["bytes"],
         "saved_activation_mib": [r["saved_bytes"] / MiB for r in results],
-        "maxrss_mib": [r["maxrss_mib"] for r in results],
+        "maxrss_mib": [max(r[i]["maxrss_mib"] for r in rounds) for i in range(len(results))],
         "losses": losses,
     }
 
@@ -141,37 +146,48 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=2, help="sequences per step, all ranks together")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3, help="turns of every system")
     ap.add_argument("--systems", default=",".join([*SYSTEMS, TORCH_CP]))
     ap.add_argument("--json")
     args = ap.parse_args()
     from shardwise.testing import RankPool
 
     cfg = _config(args.model, args.seq_factor)
-    rows: list[dict[str, Any]] = []
-    torch_cp = None
-    load = os.getloadavg()
-    for system in args.systems.split(","):
+    systems = args.systems.split(",")
+    for system in systems:
         if system not in (*SYSTEMS, TORCH_CP):
             raise SystemExit(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
-        pool = RankPool(2, pg_timeout_s=600.0, start_timeout_s=300.0)
-        try:
-            if system == TORCH_CP:
-                torch_cp = pool.run(torch_cp_rank, args.model, args.seq_factor)[0]
+    runs: dict[str, list[list[dict]]] = {s: [] for s in systems if s in SYSTEMS}
+    torch_cp = None
+    load = os.getloadavg()
+    for _ in range(args.rounds):
+        for system in systems:
+            if system == TORCH_CP and torch_cp is not None:
                 continue
-            a = (system, args.model, args.seq_factor, args.seqs, args.steps, args.warmup)
-            rows.append(_row(system, pool.run(run_rank, *a, timeout_s=3600)))
-        finally:
-            pool.close()
+            pool = RankPool(2, pg_timeout_s=600.0, start_timeout_s=300.0)
+            try:
+                if system == TORCH_CP:
+                    torch_cp = pool.run(torch_cp_rank, args.model, args.seq_factor)[0]
+                    continue
+                a = (system, args.model, args.seq_factor, args.seqs, args.steps, args.warmup)
+                runs[system].append(pool.run(run_rank, *a, timeout_s=3600))
+            finally:
+                pool.close()
+    rows = [_row(system, rounds) for system, rounds in runs.items()]
+    load_end = os.getloadavg()
     print(
         f"# {args.model} at seq {cfg.seq_len} ({args.seq_factor}x), {args.seqs} sequences per "
-        f"step, 2 ranks, code {source_version()}, load average before {load[0]:.1f}"
+        f"step, 2 ranks, {args.rounds} interleaved rounds of {args.steps} timed steps, code "
+        f"{source_version()}, load average {load[0]:.2f} before, {load_end[0]:.2f} after"
     )
+    base = rows[0]["step_s_median"] if rows else 1.0
     for r in rows:
         mib = {op: round(b / MiB, 2) for op, b in r["bytes_per_step"].items()}
         acts = ", ".join(f"{m:.1f}" for m in r["saved_activation_mib"])
         rss = ", ".join(f"{m:.0f}" for m in r["maxrss_mib"])
         print(
-            f"{r['system']:>9}: step {r['step_s_median']:.3f} s, MiB/step {mib}, activations "
+            f"{r['system']:>9}: step {r['step_s_median']:.3f} s "
+            f"({r['step_s_median'] / base:.2f}x {rows[0]['system']}), MiB/step {mib}, activations "
             f"{acts} MiB/rank, peak RSS {rss} MiB, final loss {r['losses'][-1]:.4f}"
         )
     if torch_cp is not None:
