@@ -45,6 +45,24 @@ def gpt_deferred_equals_eager(stage: int) -> tuple[int, int]:
     return bound_holds(engine)
 
 
+def llama_deferred_equals_eager(tie: bool) -> tuple[int, int]:
+    from transformers import LlamaForCausalLM
+
+    config = hf_models.tiny_llama(tie=tie).config
+    torch.manual_seed(0)
+    eager = LlamaForCausalLM(config).state_dict()
+    torch.manual_seed(0)
+    with shardwise.deferred_init():
+        model = LlamaForCausalLM(config)
+    torch.manual_seed(0)
+    engine = shardwise.initialize(model, _sgd, shardwise.Config(zero_stage=3))
+    got = engine.state_dict()
+    assert set(got) == set(eager)
+    for name, value in eager.items():
+        assert torch.equal(got[name], value), name
+    return bound_holds(engine)
+
+
 def _batch(rank: int, world: int) -> torch.Tensor:
     x = torch.randint(0, hf_models.VOCAB, (4, 9), generator=torch.Generator().manual_seed(5))
     per = x.shape[0] // world
@@ -58,9 +76,7 @@ def llama_load_train(model_dir: str, stage: int) -> tuple[list[float], tuple[int
 
     with shardwise.deferred_init():
         meta = LlamaForCausalLM(source.config)
-    engine = shardwise.initialize(
-        meta, _sgd, shardwise.Config(zero_stage=stage), weights=model_dir
-    )
+    engine = shardwise.initialize(meta, _sgd, shardwise.Config(zero_stage=stage), weights=model_dir)
     state = engine.state_dict()
     for name, value in source.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6, msg=name)

@@ -23,6 +23,14 @@ def test_gpt_built_on_meta_equals_eager_bitwise_at_zero3(world):
         assert 0 < peak <= bound
 
 
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("tie", [False, True])
+def test_hf_llama_built_on_meta_equals_eager_bitwise_at_zero3(world, tie):
+    pytest.importorskip("transformers")
+    for peak, bound in run_on_ranks(world, bc.llama_deferred_equals_eager, tie, timeout_s=300):
+        assert 0 < peak <= bound
+
+
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     pytest.importorskip("transformers")

@@ -12,8 +12,12 @@ its final state plus one module's parameters.
 How a module is initialized, first that applies: the user's ``init_fn(module)``; the model's
 ``init_module(name, module)`` (the built-in GPT; its constructors' random draws are replayed
 first, so the weights equal an eagerly built model's under the same seed, bitwise); a Hugging
-Face model's ``_init_weights(module)`` (children before parents, as ``post_init``); else the
-module's ``reset_parameters()``. A parameter nothing filled is an error naming it.
+Face model's constructors and ``_init_weights`` replayed in its eager build's order, checked
+op by op against it first (``engine.eager_replay``: bitwise equal to ``Model(config)`` under
+the same seed; a model whose order cannot be checked gets its ``_init_weights`` alone, with a
+warning); else the module's ``reset_parameters()``. A parameter nothing filled is an error
+naming it. Buffers are computed with the random state put back after, so they never shift the
+parameters' draws.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.engine import eager_replay
 from shardwise.engine.memory import InitPeak
 from shardwise.engine.targets import ParamTargets
 from shardwise.zero.flat_param import make_real
@@ -98,6 +103,7 @@ class InitPlan:
     order: list[tuple[str, nn.Module]]
     replay: bool  # run every reset_parameters first, as the constructors did, to draw alike
     only_reset: bool = False  # the hook is reset_parameters alone (buffers need one)
+    hf: bool = False  # a Hugging Face model: its eager build's order is replayed if it checks
 
 
 def init_plan(model: nn.Module, init_fn: InitFn | None) -> InitPlan:
@@ -110,7 +116,8 @@ def init_plan(model: nn.Module, init_fn: InitFn | None) -> InitPlan:
         return InitPlan(own, pre, replay=True)
     hf = getattr(model, "_init_weights", None)
     if callable(hf) and hasattr(model, "config"):
-        return InitPlan(lambda name, m: hf(m), _postorder(model), replay=False)
+        hf_model = eager_replay.is_hf_model(model)
+        return InitPlan(lambda name, m: hf(m), _postorder(model), replay=False, hf=hf_model)
 
     def reset(name: str, m: nn.Module) -> None:
         fn = getattr(m, "reset_parameters", None)
@@ -134,7 +141,7 @@ def materialize_buffers(model: nn.Module, plan: InitPlan, device: torch.device) 
                 f"nothing computes it: give initialize an init_fn that sets it, or register it "
                 f"after building the model on a real device"
             )
-        with scratch(m, device), torch.no_grad():
+        with scratch(m, device), torch.no_grad(), eager_replay.rng_kept():
             plan.hook(name, m)
 
 
@@ -158,6 +165,11 @@ def fill_by_init(
     """Initialize ``model`` module by module and write each parameter's kept pieces into
     ``targets`` (``only``: the ids of the parameters to fill; the rest are left alone).
     Holds one module's parameters at a time (counted in ``peak``)."""
+    if plan.hf:
+        replay = eager_replay.verified_replay(model, scratch)
+        if replay is not None:
+            fill_by_replay(model, targets, replay, device, peak, only)
+            return
     modules = [(n, m) for n, m in plan.order if any(p is not None for p in m._parameters.values())]
     with torch.no_grad():
         if plan.replay:
@@ -184,6 +196,34 @@ def fill_by_init(
                     assert param is not None
                     if owner[id(param)] == id(m) and (only is None or id(param) in only):
                         _check_set(real, f"{name}.{key}" if name else key)
+                        targets.write_whole(param, real.detach())
+
+
+def fill_by_replay(
+    model: nn.Module,
+    targets: ParamTargets,
+    replay: eager_replay.Replay,
+    device: torch.device,
+    peak: InitPeak,
+    only: set[int] | None = None,
+) -> None:
+    """Run ``replay``'s steps in order, each on its module's scratch parameters, writing the
+    kept pieces of what a step writes whole (the last such step gives a parameter's value)."""
+    first = {id(p): n for n, p in model.named_parameters()}
+    holder = eager_replay.holders(model)
+    with torch.no_grad():
+        for i, step in enumerate(replay.steps):
+            originals = dict(step.module._parameters)
+            with scratch(step.module, device) as made:
+                peak.note(sum(t.nbytes for t in made.values()))
+                step.run()
+                for key, real in made.items():
+                    param = originals[key]
+                    assert param is not None
+                    name = first[id(param)]
+                    mine = holder[id(param)] is step.module and (i, name) in replay.touches
+                    if mine and (only is None or id(param) in only):
+                        _check_set(real, name)
                         targets.write_whole(param, real.detach())
 
 

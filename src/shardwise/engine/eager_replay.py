@@ -1,0 +1,222 @@
+"""A Hugging Face model built on the meta device, initialized unit by unit to the values an eager
+build gets under the same seed, bitwise.
+
+An eager ``Model(config)`` draws twice: each torch layer's constructor draws its own weights
+(``reset_parameters``) as it is built, and every ``PreTrainedModel``'s ``post_init``, at the end
+of its own constructor, redraws them with ``_init_weights``, children before parents, skipping
+modules an inner model's ``post_init`` already did (so a ``...ForCausalLM`` draws its base
+model's constructors, its base model's ``_init_weights``, then its head's constructor and the
+head's ``_init_weights``). Weights tied after ``post_init`` were drawn apart first. The replay
+runs these steps in that order, each on one module's scratch parameters.
+
+The order is derived from the model's structure, then checked before anything real is drawn:
+the model is rebuilt from its config on the meta device with its initialization running (see
+``op_record.MetaFactories``) and its random draws and writes recorded; the replay is recorded
+the same way; the two records must be equal op by op, and no step may read a parameter before
+writing it whole or write only part of it. A model whose records differ (a constructor drawing
+with ``torch.randn``, an ``_init_weights`` writing another module's weights, a model that
+cannot be rebuilt from its config alone) is initialized by its ``_init_weights`` alone, with a
+warning saying that the values will not equal an eager build's.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.engine.op_record import MetaFactories, OpRecord, Touch
+
+log = logging.getLogger("shardwise")
+
+__all__ = ["Replay", "Step", "holders", "is_hf_model", "rng_kept", "verified_replay"]
+
+
+def _pretrained_class() -> type | None:
+    if "transformers" not in sys.modules:
+        return None
+    from transformers import PreTrainedModel
+
+    return PreTrainedModel
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face ``PreTrainedModel``."""
+    cls = _pretrained_class()
+    return cls is not None and isinstance(model, cls)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One module's random draws of an eager build: its constructor's (``reset``) or a
+    ``post_init``'s ``_init_weights`` (``init``, by the innermost model holding it)."""
+
+    kind: str
+    name: str
+    module: nn.Module
+    owner: nn.Module | None = None
+
+    def run(self) -> None:
+        """Draw and write as the eager build did, on the module's current parameters."""
+        if self.kind == "reset":
+            self.module.reset_parameters()  # type: ignore[operator]
+            return
+        assert self.owner is not None
+        with _hf_guard():
+            self.owner._init_weights(self.module)  # type: ignore[operator]
+
+
+def _hf_guard() -> Any:
+    """Hugging Face's own guard around its initialization (torch's init functions made to
+    respect its already-initialized marks), as ``initialize_weights`` runs it."""
+    try:
+        from transformers.initialization import guard_torch_init_functions
+    except ImportError:  # an older transformers: no guard
+        return nullcontext()
+    return guard_torch_init_functions()
+
+
+def _has_direct(module: nn.Module) -> bool:
+    return any(p is not None for p in module._parameters.values())
+
+
+def eager_steps(model: nn.Module) -> list[Step]:
+    """The steps of ``model``'s eager build, in order (see the module docstring)."""
+    cls = _pretrained_class()
+    assert cls is not None
+    built: set[int] = set()
+    inited: set[int] = set()
+    steps: list[Step] = []
+
+    def init(module: nn.Module, name: str, owner: nn.Module) -> None:  # post_init's order
+        for key, child in module.named_children():
+            init(child, f"{name}{key}.", child if isinstance(child, cls) else owner)
+        if id(module) not in inited:
+            inited.add(id(module))
+            steps.append(Step("init", name.rstrip("."), module, owner))
+
+    def build(module: nn.Module, name: str) -> None:  # constructors, children first
+        if id(module) in built:
+            return
+        built.add(id(module))
+        for key, child in module.named_children():
+            build(child, f"{name}{key}.")
+        if _has_direct(module) and callable(getattr(module, "reset_parameters", None)):
+            steps.append(Step("reset", name.rstrip("."), module))
+        if isinstance(module, cls):
+            init(module, name, module)
+
+    build(model, "")
+    return steps
+
+
+@contextmanager
+def rng_kept() -> Iterator[None]:
+    """Random state restored after the block: recording draws nothing from the real stream."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+def _storages(model: nn.Module) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        out.setdefault(int(t.untyped_storage()._cdata), name)
+    return out
+
+
+def _structure(model: nn.Module) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    both = [*model.named_parameters(), *model.named_buffers()]
+    return [(n, tuple(t.shape), t.dtype) for n, t in both]
+
+
+@dataclass(frozen=True)
+class Replay:
+    """Checked steps and what each does: ``touches[(step, name)]`` for the parameters a step
+    writes whole (by their first name)."""
+
+    steps: list[Step]
+    touches: dict[tuple[int, str], Touch]
+
+
+def _record_eager(model: nn.Module) -> tuple[nn.Module, list[Any]]:
+    """``model`` rebuilt from its config on the meta device, and its eager record."""
+    record = OpRecord()
+    with rng_kept(), MetaFactories(), record:
+        rebuilt = type(model)(copy.deepcopy(model.config))
+    if _structure(rebuilt) != _structure(model):
+        raise ValueError("rebuilt from its config it has other parameters or buffers")
+    return rebuilt, record.named(_storages(rebuilt))
+
+
+def holders(model: nn.Module) -> dict[int, nn.Module]:
+    """Each parameter's first holder (by id): the module whose steps write it. A tied
+    parameter's other holders draw, as eagerly, but write nothing."""
+    out: dict[int, nn.Module] = {}
+    for _, m in model.named_modules():
+        for p in m._parameters.values():
+            if p is not None:
+                out.setdefault(id(p), m)
+    return out
+
+
+def record_replay(
+    model: nn.Module, scratch: Callable[..., Any]
+) -> tuple[list[Any], dict[tuple[int, str], Touch]]:
+    """The record of replaying ``model``'s eager steps on meta scratch parameters."""
+    first = {id(p): n for n, p in model.named_parameters()}
+    holder = holders(model)
+    record = OpRecord()
+    with rng_kept(), torch.no_grad():
+        for i, step in enumerate(eager_steps(model)):
+            originals = dict(step.module._parameters)
+            with scratch(step.module, torch.device("meta")) as made:
+                for key, real in made.items():
+                    param = originals[key]
+                    if holder[id(param)] is step.module:
+                        record.names[int(real.untyped_storage()._cdata)] = first[id(param)]
+                record.step = i
+                with record:
+                    step.run()
+    return record.named({**_storages(model), **record.names}), record.touches
+
+
+def verified_replay(model: nn.Module, scratch: Callable[..., Any]) -> Replay | None:
+    """``model``'s eager steps, checked against its eager build (see the module docstring);
+    None, with a warning naming why, when they cannot be."""
+    try:
+        rebuilt, eager = _record_eager(model)
+    except Exception as exc:  # any failure to rebuild means: cannot check
+        why = f"it could not be rebuilt from its config to check the order ({exc})"
+        return _refused(model, why)
+    replayed, touches = record_replay(rebuilt, scratch)
+    for i, (a, b) in enumerate(zip(eager, replayed)):
+        if a != b:
+            return _refused(model, f"its eager build's draw {i} is {a}, the replay's {b}")
+    if len(eager) != len(replayed):
+        return _refused(
+            model,
+            f"its eager build makes {len(eager)} draws and writes, the replay {len(replayed)}",
+        )
+    for (i, name), touch in touches.items():
+        if touch.read_first or (touch.partial and not touch.whole):
+            return _refused(model, f"step {i} reads or writes part of {name!r} only")
+    steps = eager_steps(model)
+    return Replay(steps, {k: t for k, t in touches.items() if t.whole})
+
+
+def _refused(model: nn.Module, why: str) -> Replay | None:
+    log.warning(
+        "%s built on the meta device is initialized by its _init_weights alone, its values not "
+        "equal to an eager build's under the same seed: %s",
+        type(model).__name__,
+        why,
+    )
+    return None
