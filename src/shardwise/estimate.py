@@ -1,6 +1,8 @@
-"""Memory estimates per rank: model states under each ZeRO stage, and activations of ``GPT``.
+"""Memory estimates per rank: model states under each ZeRO stage, the peak while the model is
+initialized or loaded, and activations of ``GPT``.
 
-The arithmetic is ``shardwise.costmodel.memory`` (model states from the ZeRO stage table) and
+The arithmetic is ``shardwise.costmodel.memory`` (model states from the ZeRO stage table, the
+init/load peak from them) and
 ``shardwise.costmodel.activations``; this module names the estimator's entry points and prints
 its table.
 """
@@ -9,7 +11,14 @@ from __future__ import annotations
 
 from shardwise.bytesize import format_bytes, parse_bytes
 from shardwise.costmodel.activations import gpt_saved_activation_bytes
-from shardwise.costmodel.memory import StageEstimate, check_count, model_states_by_stage
+from shardwise.costmodel.memory import (
+    InitPeakEstimate,
+    StageEstimate,
+    check_count,
+    gpt_largest_unit_elements,
+    init_peak,
+    model_states_by_stage,
+)
 from shardwise.models.gpt import GPTConfig
 from shardwise.precision import PRECISIONS
 from shardwise.zero.stage import STAGES
@@ -17,12 +26,15 @@ from shardwise.zero.stage import STAGES
 __all__ = [
     "PRECISIONS",
     "STAGES",
+    "InitPeakEstimate",
     "StageEstimate",
     "estimate_activations",
+    "estimate_init_peaks",
     "estimate_model_states",
     "fits",
     "format_bytes",
     "format_estimate_table",
+    "format_init_peak_table",
     "parse_bytes",
 ]
 
@@ -117,3 +129,42 @@ def format_estimate_table(
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
     return "\n".join(lines)
+
+
+def estimate_init_peaks(
+    estimates: dict[int, StageEstimate], largest_unit: int, whole_model: int
+) -> dict[int, InitPeakEstimate]:
+    """Per stage, the most a rank holds while its engine is built and its weights initialized
+    or loaded (``shardwise.costmodel.memory.init_peak``): deferred (meta build, unit by unit or
+    streamed) and eager (the whole model on every rank first).
+
+    Args:
+        estimates: the model states per stage (``estimate_model_states``).
+        largest_unit: parameter elements of the largest module (its tp slice), 0 if unknown.
+        whole_model: parameter elements of the whole model.
+    """
+    return {s: init_peak(e, largest_unit, whole_model) for s, e in estimates.items()}
+
+
+def format_init_peak_table(
+    estimates: dict[int, StageEstimate],
+    whole_model: int,
+    cfg: GPTConfig | None = None,
+    tp: int = 1,
+) -> str:
+    """A headed text table of ``estimate_init_peaks`` by stage, deferred and eager (device
+    and host together); the largest module is ``GPT(cfg)``'s at ``tp``, or, without ``cfg``,
+    unknown: the deferred figures then say it comes on top."""
+    unit = 0 if cfg is None else gpt_largest_unit_elements(cfg, tp)
+    peaks = estimate_init_peaks(estimates, unit, whole_model)
+    more = "" if cfg is not None else " + largest module"
+    rows = [["stage", "deferred init/load", "eager init"]]
+    for stage in sorted(peaks):
+        p = peaks[stage]
+        rows.append(
+            [str(stage), format_bytes(p.deferred_bytes) + more, format_bytes(p.eager_bytes)]
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    head = "peak per rank while the model is initialized or loaded (device and host)"
+    return "\n".join([head, *lines])

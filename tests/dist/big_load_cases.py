@@ -125,3 +125,18 @@ def uninitialized_meta_param() -> str:
     except ValueError as exc:
         return str(exc)
     raise AssertionError("a parameter nobody initialized was accepted")
+
+
+def init_peak_against_costmodel(stage: int) -> dict[str, int]:
+    """The measured init peaks of a meta-built and an eagerly built GPT, and the transient the
+    deferred one held beside its state."""
+    torch.manual_seed(0)
+    with shardwise.deferred_init():
+        meta = GPT(GPT_CFG)
+    deferred = shardwise.initialize(meta, _sgd, shardwise.Config(zero_stage=stage))
+    eager = shardwise.initialize(GPT(GPT_CFG), _sgd, shardwise.Config(zero_stage=stage))
+    return {
+        "deferred": deferred.memory()["init_peak"],
+        "transient": deferred.init_peak.largest_transient,
+        "eager": eager.memory()["init_peak"],
+    }

@@ -11,6 +11,7 @@ from pathlib import Path
 import big_load_cases as bc
 import pytest
 
+from shardwise.costmodel import memory
 from shardwise.testing import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
@@ -29,6 +30,19 @@ def test_hf_llama_built_on_meta_equals_eager_bitwise_at_zero3(world, tie):
     pytest.importorskip("transformers")
     for peak, bound in run_on_ranks(world, bc.llama_deferred_equals_eager, tie, timeout_s=300):
         assert 0 < peak <= bound
+
+
+@pytest.mark.parametrize("stage", [3, 1])
+def test_measured_init_peaks_within_the_costmodel_figures(stage):
+    cfg, n = bc.GPT_CFG, bc.GPT_CFG.param_count()
+    unit = memory.gpt_largest_unit_elements(cfg)
+    predicted = memory.init_peak(memory.model_states(n, 2, stage), unit, n)
+    for got in run_on_ranks(2, bc.init_peak_against_costmodel, stage, timeout_s=300):
+        assert got["transient"] == 4 * unit  # the largest module's fp32 scratch, held whole
+        assert 0 < got["deferred"] <= predicted.deferred_bytes
+        assert 0 < got["eager"] <= predicted.eager_bytes
+        # the paths differ by exactly what the model says: the whole model less one module
+        assert got["eager"] - got["deferred"] == predicted.eager_bytes - predicted.deferred_bytes
 
 
 @pytest.fixture(scope="module")

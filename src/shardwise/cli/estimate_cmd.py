@@ -22,6 +22,7 @@ from shardwise.estimate import (
     estimate_model_states,
     format_bytes,
     format_estimate_table,
+    format_init_peak_table,
     parse_bytes,
 )
 from shardwise.models.gpt import MODEL_SIZES, GPTConfig
@@ -316,6 +317,8 @@ def _run_pipeline(
     print(f"model states per rank (pp rank {heaviest}, the most parameters; ZeRO over {dp} ranks)")
     print(format_estimate_table(states[heaviest], None))
     print()
+    print(format_init_peak_table(states[heaviest], num_params, cfg, args.tp))
+    print()
     print("peak per rank on the device (the largest over pp ranks; ckpt: full recompute)")
     peaks = {
         stage: (
@@ -357,6 +360,8 @@ def run_estimate(args: argparse.Namespace) -> int:
     print()
     print("model states per rank")
     print(format_estimate_table(estimates, device if cfg is None else None))
+    print()
+    print(format_init_peak_table(estimates, num_params, cfg, args.tp))
     if cfg is not None:
         seq_len = (args.seq_len or cfg.seq_len) // layout.cp  # this cp rank's tokens
         act = estimate_activations(cfg, args.micro_batch, seq_len, args.precision)

@@ -201,3 +201,47 @@ def gpt_params_per_pp_rank(cfg: GPTConfig, pp: int, tp: int = 1) -> list[int]:
     out[0] += vocab + cfg.seq_len * d
     out[-1] += d + b * d + (vocab if pp > 1 else 0)
     return out
+
+
+@dataclass(frozen=True)
+class InitPeakEstimate:
+    """Bytes one rank holds at most while its engine is built and its weights initialized or
+    loaded, on both paths (device and host together, as ``Engine.memory()["init_peak"]``)."""
+
+    deferred_bytes: int
+    """Built on the meta device (``shardwise.deferred_init``), initialized unit by unit or
+    streamed from a checkpoint: the final model states plus one unit's parameters, the most
+    held whole beside them (a module's scratch parameters, or a read of at most a tensor)."""
+    eager_bytes: int
+    """Built eagerly: the final model states plus the whole model, which every rank holds
+    whole at fp32 until the engine has taken its part."""
+
+
+def init_peak(
+    states: StageEstimate, largest_unit_elements: int, whole_model_elements: int
+) -> InitPeakEstimate:
+    """The init/load peak per rank (``InitPeakEstimate``) of an engine whose final model states
+    are ``states`` (``model_states``: the ZeRO table of this rank's tp slice of its pp stage).
+    ``largest_unit_elements``: the parameter elements of the largest module held whole while
+    initializing (its tp slice); ``whole_model_elements``: what an eager build holds (the
+    whole model: every rank builds all of it before it is split). Parameters built on the meta
+    device are fp32 and initialized (or read) at fp32, whatever the training precision."""
+    check_count("largest_unit_elements", largest_unit_elements, 0)
+    check_count("whole_model_elements", whole_model_elements, 0)
+    final = states.total_bytes
+    return InitPeakEstimate(
+        deferred_bytes=final + FP32_BYTES * largest_unit_elements,
+        eager_bytes=final + FP32_BYTES * whole_model_elements,
+    )
+
+
+def gpt_largest_unit_elements(cfg: GPTConfig, tp: int = 1) -> int:
+    """The parameter elements of ``GPT(cfg)``'s largest module (its own parameters, its tp
+    slice): the token embedding (and the head tied to it), the position embedding, or an MLP
+    projection."""
+    d, b = cfg.d_model, int(cfg.bias)
+    gpt_block_params_per_rank(cfg, tp)  # checks tp
+    vocab = math.ceil(cfg.vocab_size / tp) * d
+    fc_in = (4 * d * d + b * 4 * d) // tp  # column-parallel: weight and bias split
+    fc_out = 4 * d * d // tp + b * d  # row-parallel: the bias whole
+    return max(vocab, cfg.seq_len * d, fc_in, fc_out)
