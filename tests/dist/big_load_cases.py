@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
+import gc
 import sys
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardwise
 from shardwise.hf import WeightsError
@@ -139,4 +144,74 @@ def init_peak_against_costmodel(stage: int) -> dict[str, int]:
         "deferred": deferred.memory()["init_peak"],
         "transient": deferred.init_peak.largest_transient,
         "eager": eager.memory()["init_peak"],
+    }
+
+
+class _HeldPeak(TorchDispatchMode):
+    """The most bytes malloc hands out (``mallinfo2``: heap in use + mapped chunks), read after
+    every tensor op inside the block; with ``_exact_malloc`` every tensor of 128 KiB or more is
+    its own mapping, returned when freed, so the figure is what is held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        self.libc.mallinfo2.restype = _MallInfo2
+        self.start = self.peak = self.held()
+
+    def held(self) -> int:
+        info = self.libc.mallinfo2()
+        return int(info.uordblks + info.hblkhd)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.held())
+        return out
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks")
+        + ("uordblks", "fordblks", "keepcost")
+    ]
+
+
+PIPE_CFG = GPTConfig(vocab_size=512, seq_len=32, d_model=256, n_layer=4, n_head=4, dropout=0.0)
+
+
+def pipeline_stage_allocation(pp: int, meta: bool) -> dict[str, int]:
+    """The GPT recipe at pp (as ``train --pp``): the most this rank held while the model was
+    built and split, against its own stage's bytes and the largest module's; and the stage's
+    weights against the eagerly built GPT's under the same seed."""
+    from limit_cases import _exact_malloc
+
+    from shardwise.costmodel.memory import gpt_largest_unit_elements
+    from shardwise.engine.materialize import materialize_kept
+    from shardwise.mesh import Mesh
+    from shardwise.parallel import plans
+
+    _exact_malloc()
+    mesh = Mesh(pp=pp, dp=-1)
+    with shardwise.deferred_init():  # warm up: what the first meta build loads, once
+        tiny = GPT(GPT_CFG)
+    materialize_kept(tiny, tiny)
+    del tiny
+    gc.collect()
+    with _HeldPeak() as held:
+        torch.manual_seed(0)
+        with shardwise.deferred_init() if meta else contextlib.nullcontext():
+            model = GPT(PIPE_CFG)
+        par = shardwise.parallelize(model, mesh, plans.gpt.plan(PIPE_CFG, mesh))
+        del model
+    own = sum(p.nbytes for p in par.module.parameters())
+    torch.manual_seed(0)
+    eager = GPT(PIPE_CFG).state_dict()
+    for name, p in par.module.named_parameters():
+        assert torch.equal(p, eager[par.names[name]]), name
+    return {
+        "held": held.peak - held.start,
+        "own": own,
+        "largest": 4 * gpt_largest_unit_elements(PIPE_CFG),
+        "params": len(list(par.module.parameters())),
+        "whole": 4 * PIPE_CFG.param_count(),
     }

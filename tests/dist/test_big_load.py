@@ -45,6 +45,28 @@ def test_measured_init_peaks_within_the_costmodel_figures(stage):
         assert got["eager"] - got["deferred"] == predicted.eager_bytes - predicted.deferred_bytes
 
 
+PAGE_SLACK = 4096 + 128  # a tensor of 128 KiB or more is its own mapping: page, header, alignment
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_pipeline_ranks_never_allocate_another_stage(pp):
+    # the GPT recipe from a meta-built GPT (the README's and `train --pp`'s path): no rank ever
+    # holds more than its own stage plus the largest module (the one being initialized), and
+    # its weights equal the eagerly built GPT's (checked on the rank)
+    for r in run_on_ranks(pp, bc.pipeline_stage_allocation, pp, True, timeout_s=300):
+        # its stage's tensors and the scratch module's (weight and bias), each page-rounded,
+        # and 128 KiB of small things (a 64 Ki-element check mask, the tied group's objects)
+        slack = PAGE_SLACK * (r["params"] + 2) + 128 * 1024
+        assert r["own"] < r["held"] <= r["own"] + r["largest"] + slack, r
+        assert r["own"] + r["largest"] + slack < r["whole"]  # the figure tells the paths apart
+
+
+def test_eager_pipeline_build_holds_the_whole_model_first():
+    # the measure above, on the eager path: every rank held the whole GPT while it was split
+    for r in run_on_ranks(2, bc.pipeline_stage_allocation, 2, False, timeout_s=300):
+        assert r["held"] >= r["whole"]
+
+
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     pytest.importorskip("transformers")

@@ -22,6 +22,8 @@ parameters' draws.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,13 +34,13 @@ from torch import nn
 
 from shardwise.engine import eager_replay
 from shardwise.engine.memory import InitPeak
-from shardwise.engine.targets import ParamTargets
+from shardwise.engine.targets import ParamTargets, WholeParams
 from shardwise.zero.flat_param import make_real
 
 InitFn = Callable[[nn.Module], None]
 Hook = Callable[[str, nn.Module], None]
 
-__all__ = ["InitFn", "deferred_init", "fill_engine", "target_device"]
+__all__ = ["InitFn", "deferred_init", "fill_engine", "materialize_kept", "target_device"]
 
 
 @contextmanager
@@ -146,7 +148,9 @@ def materialize_buffers(model: nn.Module, plan: InitPlan, device: torch.device) 
 
 
 def _check_set(value: torch.Tensor, name: str) -> None:
-    if value.is_floating_point() and bool(torch.isnan(value).any()):
+    # checked in pieces: a mask of the whole would be a quarter of the tensor again
+    pieces = value.reshape(-1).split(1 << 16)
+    if value.is_floating_point() and any(bool(torch.isnan(c).any()) for c in pieces):
         raise ValueError(
             f"parameter {name!r} of a model built on the meta device was not set by its "
             f"initialization (its module has no reset_parameters, or the init skipped it): "
@@ -156,7 +160,7 @@ def _check_set(value: torch.Tensor, name: str) -> None:
 
 def fill_by_init(
     model: nn.Module,
-    targets: ParamTargets,
+    targets: ParamTargets | WholeParams,
     plan: InitPlan,
     device: torch.device,
     peak: InitPeak,
@@ -173,35 +177,48 @@ def fill_by_init(
     modules = [(n, m) for n, m in plan.order if any(p is not None for p in m._parameters.values())]
     with torch.no_grad():
         if plan.replay:
-            for _name, m in modules:
+            for name, m in modules:
                 reset = getattr(m, "reset_parameters", None)
                 if callable(reset):
-                    with scratch(m, device) as made:
-                        peak.note(sum(t.nbytes for t in made.values()))
-                        reset()
+                    _step(m, name, reset, lambda p: False, targets, device, peak)
         # a tied parameter takes its values from the first module holding it (the name it
         # is saved under); the others' scratch copies still draw from the RNG as eagerly
-        owner: dict[int, int] = {}
-        for _, m in list(model.named_modules()):
-            for p in m._parameters.values():
-                if p is not None:
-                    owner.setdefault(id(p), id(m))
+        holder = eager_replay.holders(model)
         for name, m in modules:
-            originals = dict(m._parameters)
-            with scratch(m, device) as made:
-                peak.note(sum(t.nbytes for t in made.values()))
-                plan.hook(name, m)
-                for key, real in made.items():
-                    param = originals[key]
-                    assert param is not None
-                    if owner[id(param)] == id(m) and (only is None or id(param) in only):
-                        _check_set(real, f"{name}.{key}" if name else key)
-                        targets.write_whole(param, real.detach())
+
+            def writes(p: nn.Parameter, m: nn.Module = m) -> bool:
+                return holder[id(p)] is m and (only is None or id(p) in only)
+
+            _step(m, name, functools.partial(plan.hook, name, m), writes, targets, device, peak)
+
+
+def _step(
+    module: nn.Module,
+    name: str,
+    run: Callable[[], object],
+    writes: Callable[[nn.Parameter], bool],
+    targets: ParamTargets | WholeParams,
+    device: torch.device,
+    peak: InitPeak,
+) -> None:
+    """``run()`` on ``module``'s scratch parameters, then the kept pieces of those ``writes``
+    accepts written to ``targets``. Its own function: the scratch tensors are freed on return,
+    before the next module's are made."""
+    originals = dict(module._parameters)
+    with scratch(module, device) as made:
+        peak.note(sum(t.nbytes for t in made.values()))
+        run()
+        for key, real in made.items():
+            param = originals[key]
+            assert param is not None
+            if writes(param):
+                _check_set(real, f"{name}.{key}" if name else key)
+                targets.write_whole(param, real.detach())
 
 
 def fill_by_replay(
     model: nn.Module,
-    targets: ParamTargets,
+    targets: ParamTargets | WholeParams,
     replay: eager_replay.Replay,
     device: torch.device,
     peak: InitPeak,
@@ -213,18 +230,12 @@ def fill_by_replay(
     holder = eager_replay.holders(model)
     with torch.no_grad():
         for i, step in enumerate(replay.steps):
-            originals = dict(step.module._parameters)
-            with scratch(step.module, device) as made:
-                peak.note(sum(t.nbytes for t in made.values()))
-                step.run()
-                for key, real in made.items():
-                    param = originals[key]
-                    assert param is not None
-                    name = first[id(param)]
-                    mine = holder[id(param)] is step.module and (i, name) in replay.touches
-                    if mine and (only is None or id(param) in only):
-                        _check_set(real, name)
-                        targets.write_whole(param, real.detach())
+
+            def writes(p: nn.Parameter, step: eager_replay.Step = step, i: int = i) -> bool:
+                mine = holder[id(p)] is step.module and (i, first[id(p)]) in replay.touches
+                return mine and (only is None or id(p) in only)
+
+            _step(step.module, step.name, step.run, writes, targets, device, peak)
 
 
 def fill_engine(
@@ -276,3 +287,40 @@ def outside_flats(model: nn.Module, inside: set[int], device: torch.device) -> N
         if id(p) not in inside and p.is_meta:
             make_real(p, device)
             p.data = torch.zeros(p.shape, dtype=p.dtype, device=device)
+
+
+def materialize_kept(
+    model: nn.Module,
+    kept: nn.Module,
+    device: torch.device | None = None,
+    init_fn: InitFn | None = None,
+) -> InitPeak:
+    """Make the meta parameters and buffers ``kept`` holds (a part of ``model``, built on the
+    meta device: one pipeline stage's modules) real on ``device`` (default ``target_device()``),
+    with the values ``model``'s initialization gives them (see the module docstring: the
+    built-in GPT and Hugging Face models equal their eager build under the same random state,
+    bitwise). The whole model's initialization runs one module at a time on scratch tensors,
+    so the rank holds what it keeps plus one module; the rest of ``model`` stays on the meta
+    device. Returns the peak (its transient part: the largest module). Communicates nothing."""
+    device = device or target_device()
+    plan = init_plan(model, init_fn)
+    mine = {id(m) for m in kept.modules()}
+    kept_order = [(n, m) for n, m in plan.order if id(m) in mine]
+    materialize_buffers(model, dataclasses.replace(plan, order=kept_order), device)
+    params = {id(p): p for p in kept.parameters() if p.is_meta}
+    for p in params.values():
+        make_real(p, device)
+        p.data = torch.zeros(p.shape, dtype=p.dtype, device=device)
+    peak = InitPeak()
+    peak.set_base(sum(p.nbytes for p in kept.parameters()))
+    targets = WholeParams()
+    fill_by_init(model, targets, plan, device, peak, only=set(params))
+    missing = [
+        n for n, p in kept.named_parameters() if id(p) in params and id(p) not in targets.filled
+    ]
+    if missing:
+        raise ValueError(
+            f"parameters {missing[:5]} of the kept modules were not set by the model's "
+            f"initialization: give an init_fn that sets them"
+        )
+    return peak

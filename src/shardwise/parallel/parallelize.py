@@ -100,8 +100,12 @@ class Parallelized:
 def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Parallelized:
     """Apply ``plan`` to ``model`` over ``mesh``, in order: pipeline split (this pp rank keeps
     its stages), tensor and sequence parallelism, context parallelism, recompute. Pass the
-    result to
-    ``shardwise.initialize``.
+    result to ``shardwise.initialize``.
+
+    A model built on the meta device (``shardwise.deferred_init``) with a pipeline split: each
+    pp rank makes only its own stages real, initialized as the eager model under the same
+    random state (``PipelineModule``'s ``source``), so no rank allocates another stage's
+    weights. Without a pipeline it stays on the meta device for ``initialize``.
 
     Raises ``ValueError``/``TypeError`` naming the module or pattern for a plan that does not
     fit the model or the mesh (see ``shardwise.parallel.tensor.parallelize``).
@@ -125,6 +129,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Parallelize
             split.partition,
             virtual_stages=split.virtual_stages,
             plain_names=pipeline_names(model, entries, buffers=True),
+            source=model if any(p.is_meta for p in model.parameters()) else None,
         )
     elif mesh.pp_size > 1:
         raise ValueError(

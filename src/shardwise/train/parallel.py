@@ -4,12 +4,14 @@ tensor and sequence parallelism). ZeRO over dp comes after, in ``shardwise.initi
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from shardwise.comm import World
+from shardwise.engine.materialize import deferred_init
 from shardwise.mesh import Mesh
 from shardwise.models.gpt import GPT
 from shardwise.parallel import plans
@@ -89,11 +91,14 @@ def build_mesh(run: RunConfig, world: World) -> Mesh:
 
 def build_model(run: RunConfig, mesh: Mesh) -> BuiltModel:
     """``GPT`` seeded with the run's seed (the same weights on every rank) with the GPT recipe
-    applied: under ``--pp`` only this rank's stages of it (balanced by parameters), under
+    applied: under ``--pp`` only this rank's stages of it (balanced by parameters; the GPT is
+    built on the meta device and only this rank's stages are ever allocated, initialized as
+    the whole GPT would be), under
     ``--tp`` split by the GPT's tensor-parallel plan (its loss then the vocab-parallel cross
     entropy). Communicates: under ``--pp``, the ``PipelineModule``'s tied-group setup."""
     seed_all(run.engine.seed)
-    model = GPT(run.model)
+    with deferred_init() if mesh.pp_size > 1 else contextlib.nullcontext():
+        model = GPT(run.model)
     plan = plans.gpt.plan(
         run.model,
         mesh,
