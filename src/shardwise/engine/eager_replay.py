@@ -100,7 +100,12 @@ def eager_steps(model: nn.Module) -> list[Step]:
             init(child, f"{name}{key}.", child if isinstance(child, cls) else owner)
         if id(module) not in inited:
             inited.add(id(module))
-            steps.append(Step("init", name.rstrip("."), module, owner))
+            # remote code skips a module whose own tensors are all initialized: at
+            # construction, one that has none
+            bare = not _has_direct(module) and all(b is None for b in module._buffers.values())
+            custom = getattr(owner, "is_custom_code", lambda: False)()
+            if not (bare and custom):
+                steps.append(Step("init", name.rstrip("."), module, owner))
 
     def build(module: nn.Module, name: str) -> None:  # constructors, children first
         if id(module) in built:
@@ -185,7 +190,14 @@ def record_replay(
                 record.step = i
                 with record:
                     step.run()
-    return record.named({**_storages(model), **record.names}), record.touches
+    # a write into a parameter outside the running step's scratch would be lost in the replay:
+    # named apart, it can never equal the eager record
+    outside = {
+        int(p.untyped_storage()._cdata): f"{name} (outside its step)"
+        for name, p in model.named_parameters()
+    }
+    buffers = {int(b.untyped_storage()._cdata): n for n, b in model.named_buffers()}
+    return record.named({**outside, **buffers, **record.names}), record.touches
 
 
 def verified_replay(model: nn.Module, scratch: Callable[..., Any]) -> Replay | None:
