@@ -13,10 +13,17 @@ The order is derived from the model's structure, then checked before anything re
 the model is rebuilt from its config on the meta device with its initialization running (see
 ``op_record.MetaFactories``) and its random draws and writes recorded; the replay is recorded
 the same way; the two records must be equal op by op, and no step may read a parameter before
-writing it whole or write only part of it. A model whose records differ (a constructor drawing
-with ``torch.randn``, an ``_init_weights`` writing another module's weights, a model that
-cannot be rebuilt from its config alone) is initialized by its ``_init_weights`` alone, with a
-warning saying that the values will not equal an eager build's.
+writing it whole or write only part of it. A model whose records differ is initialized by its
+``_init_weights`` alone, with a warning naming the first difference and saying that the values
+will not equal an eager build's. Such models: a constructor drawing outside
+``reset_parameters`` (GPT-2's ``Conv1D`` draws in its ``__init__``; ``nn.Parameter(torch.randn
+(...))``), an ``_init_weights`` writing a parameter of a module other than the one it is given
+(it would be lost: each step holds only its module's own parameters), a model that cannot be
+rebuilt from its config alone or rebuilds with other parameters.
+
+The draws happen where the pieces are made (``materialize.target_device()``): on a machine
+without CUDA that is the CPU generator, as ``Model(config)`` uses; with CUDA the values equal
+an eager build under ``torch.device("cuda")``, not a CPU one.
 """
 
 from __future__ import annotations
