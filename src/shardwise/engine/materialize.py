@@ -165,11 +165,14 @@ def fill_by_init(
     device: torch.device,
     peak: InitPeak,
     only: set[int] | None = None,
+    eager: bool = True,
 ) -> None:
     """Initialize ``model`` module by module and write each parameter's kept pieces into
     ``targets`` (``only``: the ids of the parameters to fill; the rest are left alone).
-    Holds one module's parameters at a time (counted in ``peak``)."""
-    if plan.hf:
+    Holds one module's parameters at a time (counted in ``peak``). ``eager`` False: a
+    Hugging Face model's missing weights get its ``_init_weights`` (as ``from_pretrained``
+    gives them), without replaying the whole eager build's draws."""
+    if plan.hf and eager:
         replay = eager_replay.verified_replay(model, scratch)
         if replay is not None:
             fill_by_replay(model, targets, replay, device, peak, only)
@@ -263,7 +266,7 @@ def fill_engine(
             pretrained.stream_into(module, targets, source, strict, peak)
         left = {i for i in targets.by_id if i not in targets.filled}
         if left:
-            fill_by_init(module, targets, plan, engine.device, peak, only=left)
+            fill_by_init(module, targets, plan, engine.device, peak, only=left, eager=False)
     else:
         fill_by_init(module, targets, plan, engine.device, peak)
     unfilled = targets.unfilled()
