@@ -34,14 +34,17 @@ def test_llama_replay_checks_against_its_eager_build(tie):
     assert written == {n for n, _ in model.named_parameters()}
 
 
-def test_gpt2_constructor_drawing_outside_reset_parameters_is_named(caplog):
-    # GPT-2's Conv1D draws its weights in its constructor without reset_parameters: the replay
-    # cannot repeat that, and says so instead of giving other values silently
+def test_gpt2_constructor_draws_and_parent_writes_are_replayed():
+    # GPT-2's Conv1D draws in its constructor without reset_parameters (its recorded ops are
+    # replayed), and its attention's _init_weights rescales its child c_proj (that step holds
+    # c_proj's parameters too)
     model = _meta(transformers.GPT2LMHeadModel, hf_models.tiny_gpt2().config)
-    with caplog.at_level(logging.WARNING, logger="shardwise"):
-        assert eager_replay.verified_replay(model, materialize.scratch) is None
-    assert "not equal to an eager build's" in caplog.text
-    assert "transformer.h.0.attn.c_attn.weight" in caplog.text
+    replay = eager_replay.verified_replay(model, materialize.scratch)
+    assert replay is not None
+    kinds = {(s.kind, s.name) for s in replay.steps}
+    assert ("record", "transformer.h.0.attn.c_attn") in kinds
+    step = next(s for s in replay.steps if (s.kind, s.name) == ("init", "transformer.h.0.attn"))
+    assert step.extra == (model.transformer.h[0].attn.c_proj,)
 
 
 class _ToyConfig(transformers.PretrainedConfig):
@@ -49,10 +52,12 @@ class _ToyConfig(transformers.PretrainedConfig):
 
 
 class _Scaled(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, noise: bool) -> None:
         super().__init__()
         self.scale = nn.Parameter(torch.ones(4))
         self.proj = nn.Linear(4, 4)
+        if noise:  # drawn out of place, then made a parameter: nothing to replay it by
+            self.noise = nn.Parameter(torch.randn(4))
 
 
 class _Toy(transformers.PreTrainedModel):
@@ -63,7 +68,7 @@ class _Toy(transformers.PreTrainedModel):
     def __init__(self, config: _ToyConfig) -> None:
         super().__init__(config)
         self.inner = nn.Sequential(nn.Linear(4, 4), nn.Embedding(5, 4))
-        self.scaled = _Scaled()
+        self.scaled = _Scaled(getattr(config, "noise", False))
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -81,12 +86,21 @@ def _whole_init(model):  # type: ignore[no-untyped-def]
     return model.state_dict()
 
 
-@pytest.mark.parametrize("build", ["toy", "llama_tied"])
+BUILDS = {
+    "toy": (_Toy, lambda: _ToyConfig()),
+    "toy_reaching_into_a_child": (_Toy, lambda: _ToyConfig(reach=True)),
+    "llama_tied": (transformers.LlamaForCausalLM, lambda: hf_models.tiny_llama(tie=True).config),
+    "gpt2": (transformers.GPT2LMHeadModel, lambda: hf_models.tiny_gpt2().config),
+}
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
 def test_replayed_values_equal_the_eager_build_bitwise(build):
-    config = _ToyConfig() if build == "toy" else hf_models.tiny_llama(tie=True).config
+    cls, config_of = BUILDS[build]
+    config = config_of()
 
     def make():  # type: ignore[no-untyped-def]
-        return _Toy(config) if build == "toy" else transformers.LlamaForCausalLM(config)
+        return cls(config)
 
     torch.manual_seed(3)
     eager = make().state_dict()
@@ -112,9 +126,10 @@ def _rand_after_replay(make):  # type: ignore[no-untyped-def]
     return torch.rand(3)
 
 
-def test_init_writing_another_modules_weight_is_refused(caplog):
+def test_a_draw_the_replay_cannot_repeat_is_named_and_refused(caplog):
     with shardwise.deferred_init():
-        model = _Toy(_ToyConfig(reach=True))
+        model = _Toy(_ToyConfig(noise=True))
     with caplog.at_level(logging.WARNING, logger="shardwise"):
         assert eager_replay.verified_replay(model, materialize.scratch) is None
-    assert "'scaled.proj.weight (outside its step)'" in caplog.text
+    assert "not equal to an eager build's" in caplog.text
+    assert "'randn'" in caplog.text  # the eager build's draw the replay lacks

@@ -13,13 +13,14 @@ The order is derived from the model's structure, then checked before anything re
 the model is rebuilt from its config on the meta device with its initialization running (see
 ``op_record.MetaFactories``) and its random draws and writes recorded; the replay is recorded
 the same way; the two records must be equal op by op, and no step may read a parameter before
-writing it whole or write only part of it. A model whose records differ is initialized by its
-``_init_weights`` alone, with a warning naming the first difference and saying that the values
-will not equal an eager build's. Such models: a constructor drawing outside
-``reset_parameters`` (GPT-2's ``Conv1D`` draws in its ``__init__``; ``nn.Parameter(torch.randn
-(...))``), an ``_init_weights`` writing a parameter of a module other than the one it is given
-(it would be lost: each step holds only its module's own parameters), a model that cannot be
-rebuilt from its config alone or rebuilds with other parameters.
+writing it whole or write only part of it. A first replay finds what the steps write beyond
+their module (GPT-2's attention rescales its child ``c_proj``: that step then holds the child's
+parameters too) and, for a module without ``reset_parameters`` whose constructor draws in
+place on its own parameters (GPT-2's ``Conv1D``), those recorded ops, replayed in its place.
+A model whose records still differ is initialized by its ``_init_weights`` alone, with a
+warning naming the first difference and saying that the values will not equal an eager
+build's: e.g. a constructor drawing out of place (``nn.Parameter(torch.randn(...))``), or a
+model that cannot be rebuilt from its config alone or rebuilds with other parameters.
 
 The draws happen where the pieces are made (``materialize.target_device()``): on a machine
 without CUDA that is the CPU generator, as ``Model(config)`` uses; with CUDA the values equal
@@ -32,14 +33,14 @@ import copy
 import logging
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from shardwise.engine.op_record import MetaFactories, OpRecord, Touch
+from shardwise.engine.op_record import MetaFactories, OpRecord, Touch, storage
 
 log = logging.getLogger("shardwise")
 
@@ -69,11 +70,21 @@ class Step:
     name: str
     module: nn.Module
     owner: nn.Module | None = None
+    extra: tuple[nn.Module, ...] = ()  # other modules whose parameters the step writes
+    ops: tuple[tuple[Any, str, tuple[Any, ...], dict[str, Any]], ...] = ()  # ``record``
+
+    def modules(self) -> tuple[nn.Module, ...]:
+        """The modules whose own parameters the step holds as scratch."""
+        return (self.module, *self.extra)
 
     def run(self) -> None:
         """Draw and write as the eager build did, on the module's current parameters."""
         if self.kind == "reset":
             self.module.reset_parameters()  # type: ignore[operator]
+            return
+        if self.kind == "record":  # a constructor's in-place ops on its own parameters
+            for func, key, rest, kwargs in self.ops:
+                func(self.module._parameters[key], *rest, **kwargs)
             return
         assert self.owner is not None
         with _hf_guard():
@@ -94,8 +105,19 @@ def _has_direct(module: nn.Module) -> bool:
     return any(p is not None for p in module._parameters.values())
 
 
-def eager_steps(model: nn.Module) -> list[Step]:
-    """The steps of ``model``'s eager build, in order (see the module docstring)."""
+Ops = tuple[tuple[Any, str, tuple[Any, ...], dict[str, Any]], ...]
+
+
+def eager_steps(
+    model: nn.Module,
+    recorded: dict[str, Ops] | None = None,
+    extra: dict[tuple[str, str], tuple[str, ...]] | None = None,
+) -> list[Step]:
+    """The steps of ``model``'s eager build, in order (see the module docstring).
+    ``recorded``: per module name, its constructor's ops on its own parameters (a module
+    without ``reset_parameters``); ``extra``: per (kind, name) step, the other modules whose
+    parameters it writes."""
+    recorded, extra = recorded or {}, extra or {}
     cls = _pretrained_class()
     assert cls is not None
     built: set[int] = set()
@@ -112,7 +134,9 @@ def eager_steps(model: nn.Module) -> list[Step]:
             bare = not _has_direct(module) and all(b is None for b in module._buffers.values())
             custom = getattr(owner, "is_custom_code", lambda: False)()
             if not (bare and custom):
-                steps.append(Step("init", name.rstrip("."), module, owner))
+                key = name.rstrip(".")
+                more = tuple(model.get_submodule(n) for n in extra.get(("init", key), ()))
+                steps.append(Step("init", key, module, owner, more))
 
     def build(module: nn.Module, name: str) -> None:  # constructors, children first
         if id(module) in built:
@@ -122,6 +146,8 @@ def eager_steps(model: nn.Module) -> list[Step]:
             build(child, f"{name}{key}.")
         if _has_direct(module) and callable(getattr(module, "reset_parameters", None)):
             steps.append(Step("reset", name.rstrip("."), module))
+        elif recorded.get(name.rstrip(".")):
+            steps.append(Step("record", name.rstrip("."), module, ops=recorded[name.rstrip(".")]))
         if isinstance(module, cls):
             init(module, name, module)
 
@@ -140,7 +166,7 @@ def rng_kept() -> Iterator[None]:
 def _storages(model: nn.Module) -> dict[int, str]:
     out: dict[int, str] = {}
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        out.setdefault(int(t.untyped_storage()._cdata), name)
+        out.setdefault(storage(t), name)
     return out
 
 
@@ -158,14 +184,14 @@ class Replay:
     touches: dict[tuple[int, str], Touch]
 
 
-def _record_eager(model: nn.Module) -> tuple[nn.Module, list[Any]]:
+def _record_eager(model: nn.Module) -> tuple[nn.Module, OpRecord]:
     """``model`` rebuilt from its config on the meta device, and its eager record."""
     record = OpRecord()
     with rng_kept(), MetaFactories(), record:
         rebuilt = type(model)(copy.deepcopy(model.config))
     if _structure(rebuilt) != _structure(model):
         raise ValueError("rebuilt from its config it has other parameters or buffers")
-    return rebuilt, record.named(_storages(rebuilt))
+    return rebuilt, record
 
 
 def holders(model: nn.Module) -> dict[int, nn.Module]:
@@ -179,43 +205,100 @@ def holders(model: nn.Module) -> dict[int, nn.Module]:
     return out
 
 
+@contextmanager
+def step_scratch(
+    step: Step, scratch: Callable[..., Any], device: torch.device
+) -> Iterator[list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]]:
+    """Scratch parameters for every module of ``step``: (module, made, originals) each."""
+    with ExitStack() as stack:
+        out = []
+        for m in step.modules():
+            originals = dict(m._parameters)
+            out.append((m, stack.enter_context(scratch(m, device)), originals))
+        yield out
+
+
 def record_replay(
-    model: nn.Module, scratch: Callable[..., Any]
-) -> tuple[list[Any], dict[tuple[int, str], Touch]]:
-    """The record of replaying ``model``'s eager steps on meta scratch parameters."""
+    model: nn.Module, steps: list[Step], scratch: Callable[..., Any]
+) -> tuple[list[Any], OpRecord]:
+    """The record of replaying ``steps`` on meta scratch parameters of ``model``."""
     first = {id(p): n for n, p in model.named_parameters()}
     holder = holders(model)
     record = OpRecord()
+    # a write into a parameter outside the running step's scratch would be lost in the replay:
+    # named apart, it can never equal the eager record
+    for name, p in model.named_parameters():
+        record.names[storage(p)] = f"{name} (outside its step)"
     with rng_kept(), torch.no_grad():
-        for i, step in enumerate(eager_steps(model)):
-            originals = dict(step.module._parameters)
-            with scratch(step.module, torch.device("meta")) as made:
-                for key, real in made.items():
-                    param = originals[key]
-                    if holder[id(param)] is step.module:
-                        record.names[int(real.untyped_storage()._cdata)] = first[id(param)]
+        for i, step in enumerate(steps):
+            with step_scratch(step, scratch, torch.device("meta")) as held:
+                for m, made, originals in held:
+                    for key, real in made.items():
+                        if holder[id(originals[key])] is m:
+                            record.names[storage(real)] = first[id(originals[key])]
                 record.step = i
                 with record:
                     step.run()
-    # a write into a parameter outside the running step's scratch would be lost in the replay:
-    # named apart, it can never equal the eager record
-    outside = {
-        int(p.untyped_storage()._cdata): f"{name} (outside its step)"
-        for name, p in model.named_parameters()
-    }
-    buffers = {int(b.untyped_storage()._cdata): n for n, b in model.named_buffers()}
-    return record.named({**outside, **buffers, **record.names}), record.touches
+    buffers = {storage(b): n for n, b in model.named_buffers()}
+    return record.named({**record.names, **buffers}), record
+
+
+def _constructor_ops(
+    rebuilt: nn.Module, eager: OpRecord, init_writes: dict[str, int]
+) -> dict[str, Ops]:
+    """Per module without ``reset_parameters``: the eager build's ops on its own parameters
+    before ``post_init`` (those beyond the init steps' own writes), each on the whole
+    parameter with plain arguments; a module whose ops are not all so is left out (the
+    records then differ)."""
+    by_storage = {storage(p): n for n, p in rebuilt.named_parameters()}
+    ops: dict[str, list[Any]] = {}
+    for func, args, kwargs, written in eager.raw:
+        for s in written:
+            if s in by_storage:
+                ops.setdefault(by_storage[s], []).append((func, args, kwargs))
+    out: dict[str, Ops] = {}
+    for mname, module in rebuilt.named_modules():
+        if callable(getattr(module, "reset_parameters", None)) or not _has_direct(module):
+            continue
+        mine: list[Any] = []
+        for key, p in module._parameters.items():
+            name = f"{mname}.{key}" if mname else key
+            done = ops.get(name, [])
+            for func, args, kwargs in done[: len(done) - init_writes.get(name, 0)]:
+                plain = not any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values()))
+                if not plain or p is None or args[0].shape != p.shape:
+                    break
+                mine.append((func, key, tuple(args[1:]), dict(kwargs)))
+        if mine:
+            out[mname] = tuple(mine)
+    return out
 
 
 def verified_replay(model: nn.Module, scratch: Callable[..., Any]) -> Replay | None:
     """``model``'s eager steps, checked against its eager build (see the module docstring);
     None, with a warning naming why, when they cannot be."""
     try:
-        rebuilt, eager = _record_eager(model)
+        rebuilt, eager_record = _record_eager(model)
     except Exception as exc:  # any failure to rebuild means: cannot check
         why = f"it could not be rebuilt from its config to check the order ({exc})"
         return _refused(model, why)
-    replayed, touches = record_replay(rebuilt, scratch)
+    eager = eager_record.named(_storages(rebuilt))
+    # first pass: what the init steps write, also outside their module
+    _, first = record_replay(rebuilt, eager_steps(rebuilt), scratch)
+    module_of = {n: n.rpartition(".")[0] for n, _ in rebuilt.named_parameters()}
+    extra: dict[tuple[str, str], set[str]] = {}
+    steps0 = eager_steps(rebuilt)
+    for (i, name), _touch in first.touches.items():
+        if name.endswith(" (outside its step)") and steps0[i].kind == "init":
+            owner = module_of[name.removesuffix(" (outside its step)")]
+            extra.setdefault(("init", steps0[i].name), set()).add(owner)
+    init_writes: dict[str, int] = {}
+    for n, c in first.writes.items():
+        key = n.removesuffix(" (outside its step)")
+        init_writes[key] = init_writes.get(key, 0) + c
+    recorded = _constructor_ops(rebuilt, eager_record, init_writes)
+    more = {k: tuple(sorted(v)) for k, v in extra.items()}
+    replayed, second = record_replay(rebuilt, eager_steps(rebuilt, recorded, more), scratch)
     for i, (a, b) in enumerate(zip(eager, replayed)):
         if a != b:
             return _refused(model, f"its eager build's draw {i} is {a}, the replay's {b}")
@@ -224,11 +307,11 @@ def verified_replay(model: nn.Module, scratch: Callable[..., Any]) -> Replay | N
             model,
             f"its eager build makes {len(eager)} draws and writes, the replay {len(replayed)}",
         )
-    for (i, name), touch in touches.items():
+    for (i, name), touch in second.touches.items():
         if touch.read_first or (touch.partial and not touch.whole):
             return _refused(model, f"step {i} reads or writes part of {name!r} only")
-    steps = eager_steps(model)
-    return Replay(steps, {k: t for k, t in touches.items() if t.whole})
+    steps = eager_steps(model, recorded, more)
+    return Replay(steps, {k: t for k, t in second.touches.items() if t.whole})
 
 
 def _refused(model: nn.Module, why: str) -> Replay | None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,45 +178,47 @@ def fill_by_init(
             fill_by_replay(model, targets, replay, device, peak, only)
             return
     modules = [(n, m) for n, m in plan.order if any(p is not None for p in m._parameters.values())]
+    first = {id(p): n for n, p in model.named_parameters()}
     with torch.no_grad():
         if plan.replay:
-            for name, m in modules:
+            for _, m in modules:
                 reset = getattr(m, "reset_parameters", None)
                 if callable(reset):
-                    _step(m, name, reset, lambda p: False, targets, device, peak)
+                    _step((m,), reset, lambda p, m: False, first, targets, device, peak)
         # a tied parameter takes its values from the first module holding it (the name it
         # is saved under); the others' scratch copies still draw from the RNG as eagerly
         holder = eager_replay.holders(model)
+
+        def writes(p: nn.Parameter, m: nn.Module) -> bool:
+            return holder[id(p)] is m and (only is None or id(p) in only)
+
         for name, m in modules:
-
-            def writes(p: nn.Parameter, m: nn.Module = m) -> bool:
-                return holder[id(p)] is m and (only is None or id(p) in only)
-
-            _step(m, name, functools.partial(plan.hook, name, m), writes, targets, device, peak)
+            _step((m,), functools.partial(plan.hook, name, m), writes, first, targets, device, peak)
 
 
 def _step(
-    module: nn.Module,
-    name: str,
+    modules: tuple[nn.Module, ...],
     run: Callable[[], object],
-    writes: Callable[[nn.Parameter], bool],
+    writes: Callable[[nn.Parameter, nn.Module], bool],
+    first: dict[int, str],
     targets: ParamTargets | WholeParams,
     device: torch.device,
     peak: InitPeak,
 ) -> None:
-    """``run()`` on ``module``'s scratch parameters, then the kept pieces of those ``writes``
-    accepts written to ``targets``. Its own function: the scratch tensors are freed on return,
-    before the next module's are made."""
-    originals = dict(module._parameters)
-    with scratch(module, device) as made:
-        peak.note(sum(t.nbytes for t in made.values()))
+    """``run()`` on ``modules``' scratch parameters, then the kept pieces of those ``writes``
+    accepts (a parameter and the module holding it) written to ``targets``. Its own
+    function: the scratch tensors are freed on return, before the next step's are made."""
+    with ExitStack() as stack:
+        held = [(m, dict(m._parameters), stack.enter_context(scratch(m, device))) for m in modules]
+        peak.note(sum(t.nbytes for _, _, made in held for t in made.values()))
         run()
-        for key, real in made.items():
-            param = originals[key]
-            assert param is not None
-            if writes(param):
-                _check_set(real, f"{name}.{key}" if name else key)
-                targets.write_whole(param, real.detach())
+        for m, originals, made in held:
+            for key, real in made.items():
+                param = originals[key]
+                assert param is not None
+                if writes(param, m):
+                    _check_set(real, first[id(param)])
+                    targets.write_whole(param, real.detach())
 
 
 def fill_by_replay(
@@ -227,18 +229,18 @@ def fill_by_replay(
     peak: InitPeak,
     only: set[int] | None = None,
 ) -> None:
-    """Run ``replay``'s steps in order, each on its module's scratch parameters, writing the
+    """Run ``replay``'s steps in order, each on its modules' scratch parameters, writing the
     kept pieces of what a step writes whole (the last such step gives a parameter's value)."""
     first = {id(p): n for n, p in model.named_parameters()}
     holder = eager_replay.holders(model)
     with torch.no_grad():
         for i, step in enumerate(replay.steps):
 
-            def writes(p: nn.Parameter, step: eager_replay.Step = step, i: int = i) -> bool:
-                mine = holder[id(p)] is step.module and (i, first[id(p)]) in replay.touches
+            def writes(p: nn.Parameter, m: nn.Module, i: int = i) -> bool:
+                mine = holder[id(p)] is m and (i, first[id(p)]) in replay.touches
                 return mine and (only is None or id(p) in only)
 
-            _step(step.module, step.name, step.run, writes, targets, device, peak)
+            _step(step.modules(), step.run, writes, first, targets, device, peak)
 
 
 def fill_engine(

@@ -52,7 +52,8 @@ OVERWRITES = frozenset(
 Entry = tuple[Hashable, ...]
 
 
-def _storage(t: torch.Tensor) -> int:
+def storage(t: torch.Tensor) -> int:
+    """An id of ``t``'s storage (views share it)."""
     return int(t.untyped_storage()._cdata)
 
 
@@ -95,7 +96,8 @@ class OpRecord(TorchDispatchMode):
     names: dict[int, str] = field(default_factory=dict)
     touches: dict[tuple[int, str], Touch] = field(default_factory=dict)
     step: int = 0
-    _raw: list[tuple[str, tuple[Any, ...], dict[str, Any], list[int]]] = field(default_factory=list)
+    writes: dict[str, int] = field(default_factory=dict)  # per named tensor: ops writing it
+    raw: list[tuple[Any, tuple[Any, ...], dict[str, Any], list[int]]] = field(default_factory=list)
     _alive: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -110,10 +112,11 @@ class OpRecord(TorchDispatchMode):
                 continue
             writes = schema_arg.alias_info is not None and schema_arg.alias_info.is_write
             if writes:
-                written.append(_storage(a))
-            name = self.names.get(_storage(a))
+                written.append(storage(a))
+            name = self.names.get(storage(a))
             if name is None:
                 continue
+            self.writes[name] = self.writes.get(name, 0) + int(writes)
             touch = self.touches.setdefault((self.step, name), Touch())
             if writes and base in OVERWRITES:
                 covers = a.numel() * a.element_size() == a.untyped_storage().nbytes()
@@ -129,7 +132,7 @@ class OpRecord(TorchDispatchMode):
         self._alive.append((args, out))  # no storage is freed (and its address reused) meanwhile
         written = self._note(func, tuple(args))
         if written or _base_name(func) in RANDOM_OPS:
-            self._raw.append((_base_name(func), tuple(args), dict(kwargs), written))
+            self.raw.append((func, tuple(args), dict(kwargs), written))
         return out
 
     def named(self, names: dict[int, str]) -> list[Entry]:
@@ -138,7 +141,7 @@ class OpRecord(TorchDispatchMode):
 
         def arg(a: Any) -> Hashable:
             if isinstance(a, torch.Tensor):
-                name = names.get(_storage(a))
+                name = names.get(storage(a))
                 geometry = (tuple(a.shape), tuple(a.stride()), a.storage_offset(), str(a.dtype))
                 return (name, *geometry) if name else ("tensor", str(a.dtype), tuple(a.shape))
             if isinstance(a, (list, tuple)):
@@ -148,7 +151,7 @@ class OpRecord(TorchDispatchMode):
             return str(a)
 
         return [
-            (base, arg(args), tuple(sorted((k, arg(v)) for k, v in kwargs.items())))
-            for base, args, kwargs, written in self._raw
-            if base in RANDOM_OPS or any(s in names for s in written)
+            (_base_name(f), arg(args), tuple(sorted((k, arg(v)) for k, v in kwargs.items())))
+            for f, args, kwargs, written in self.raw
+            if _base_name(f) in RANDOM_OPS or any(s in names for s in written)
         ]
