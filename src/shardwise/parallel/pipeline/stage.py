@@ -187,11 +187,11 @@ class PipelineModule(nn.Module):
         plain_names: this module's parameter and buffer names -> the unsplit model's
             (``shardwise.parallelize`` records them), for exports under the model's own names.
         source: the whole model the layers are modules of, built on the meta device
-            (``shardwise.deferred_init``): this rank's layers are made real and initialized
-            as the model's eager build would (``engine.materialize.materialize_kept``: the
-            whole initialization replayed one module at a time), so no rank ever holds another
-            stage's weights; the rest stays on the meta device. Required when layers are on
-            the meta device.
+            (``shardwise.deferred_init``): this rank's layers are made real (on the default
+            device, as an eager build) with the values the eager build gives them
+            (``engine.materialize.materialize_kept``: the whole initialization replayed one
+            module at a time), so no rank ever holds another stage's weights; the rest stays
+            on the meta device. Required when layers are on the meta device.
 
     Only this rank's entries stay referenced: once the caller drops the whole model, the
     layers of other stages (and tied modules this rank does not use) are freed. Built from a
@@ -251,7 +251,9 @@ class PipelineModule(nn.Module):
             )
         from shardwise.engine.materialize import materialize_kept  # the engine imports this module
 
-        materialize_kept(source, self)
+        # where an eager build would have put them (the default device), drawn there alike
+        device = torch.get_default_device()
+        materialize_kept(source, self, None if device.type == "meta" else device)
 
     def stage_of_layer(self, i: int) -> int:
         return next(s for s in range(self.num_stages) if self.bounds[s] <= i < self.bounds[s + 1])
