@@ -14,10 +14,10 @@ from shardwise.comm.groups import Group
 from shardwise.config import Config
 from shardwise.engine.core import Engine, SchedulerFactory
 from shardwise.engine.materialize import InitFn, fill_engine
+from shardwise.engine.pipeline import PipelineEngine, check_pipeline_config
 from shardwise.engine.pretrained import Source, load_pretrained
 from shardwise.mesh import Mesh
 from shardwise.parallel.parallelize import Parallelized
-from shardwise.parallel.pipeline.engine import PipelineEngine, check_pipeline_config
 from shardwise.parallel.pipeline.stage import PipelineModule
 from shardwise.parallel.placement import Placement
 from shardwise.recompute import apply_activation_checkpointing
