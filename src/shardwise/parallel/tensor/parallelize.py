@@ -324,6 +324,10 @@ def parallelize(
         sequence_parallel: run ``sequence`` modules on 1/tp of the sequence (dim 1 of
             ``[batch, seq, hidden]`` activations); the sequence length must divide by tp.
 
+    A peft LoRA layer named by a linear style is split with its adapters (see
+    ``shardwise.parallel.tensor.adapters``): its base as the style says, B column-split under a
+    column-parallel base, A row-split under a row-parallel base, the other factor replicated.
+
     A ``PipelineModule`` is split stage by stage under its own names (``layers.{i}.*`` by
     global layer index, ``tied.{key}.*``): each pp rank applies the plan to the layers it
     holds, and a pattern need only match on some stage.
@@ -333,9 +337,10 @@ def parallelize(
     see 1/tp of the tokens: a gradient hook all-reduces each one's gradient over tp in every
     backward, so nothing is owed at step time.
     Raises ``ValueError``/``TypeError`` naming the module for a pattern matching nothing, a
-    dimension that does not divide by tp (other than a vocabulary), or a module whose type does
-    not fit its style. Communicates nothing (a ``PipelineModule``: one all_gather_object over
-    pp of the patterns matching nothing on each stage: two all_gathers).
+    dimension that does not divide by tp (other than a vocabulary), a module whose type does
+    not fit its style, or LoRA adapters on a layer whose style cannot split them.
+    Communicates nothing (a ``PipelineModule``: one all_gather_object over pp of the patterns
+    matching nothing on each stage: two all_gathers).
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a shardwise Mesh, got {type(mesh).__name__}")
