@@ -55,8 +55,5 @@ def lora_parity(tp_size: int, vocab: int, sp: bool, steps: int = 4) -> list[floa
             o.step()
             o.zero_grad()
         losses.append(loss.item())
-    full, want = tp.full_state_dict(), ref.state_dict()
-    assert full.keys() == want.keys()
-    for k in want:
-        tc._close(full[k], want[k], f"{k} after {steps} steps")
+    tc.check_full_state(tp, ref, steps)
     return losses
