@@ -53,9 +53,9 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _losses(run: Path) -> list[float]:
+def _losses(run: Path, key: str = "loss") -> list[float]:
     lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["loss"] for line in lines if line.strip()]
+    return [json.loads(line)[key] for line in lines if line.strip()]
 
 
 COMMON = ("--seq-len", "64", "--micro-batch", "2", "--zero", "3", "--lr", "1e-2")
@@ -128,7 +128,7 @@ def test_killed_run_resumes_bitwise_and_outputs_reload(root: Path, how: tuple[st
 
 def test_lora_at_tp2_follows_dp2_and_its_outputs_reload(root: Path) -> None:
     """``--lora --tp 2`` (adapters split with their layers) takes the steps of the same global
-    batch at dp 2; the joined adapter loads in peft with the merged model's logits and the
+    batch at dp 2 (losses and gradient norms); the joined adapter loads in peft with the merged model's logits and the
     checkpoint's."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -142,7 +142,9 @@ def test_lora_at_tp2_follows_dp2_and_its_outputs_reload(root: Path) -> None:
     assert dp2.returncode == 0, dp2.stderr[-2000:]
     tp2 = _cli(root, *args, "--tp", "2", "--grad-accum", "2", "--merge", "--run-dir", "lora-tp2")
     assert tp2.returncode == 0, tp2.stderr[-2000:]
-    assert _losses(root / "lora-tp2") == pytest.approx(_losses(root / "lora-dp2"), rel=1e-5)
+    for key in ("loss", "grad_norm"):  # the norm: each adapter counted once (clipped at 1)
+        want = _losses(root / "lora-dp2", key)
+        assert _losses(root / "lora-tp2", key) == pytest.approx(want, rel=1e-5)
     run = root / "lora-tp2"
     x = torch.tensor([[3, 40, 41, 42, 4, 5]])
     base = AutoModelForCausalLM.from_pretrained(root / "llama")
