@@ -16,13 +16,13 @@ from shardwise.parallel import tensor as swtp
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 
 
-def lora_llama(vocab: int) -> torch.nn.Module:
+def lora_llama(vocab: int, dropout: float = 0.0) -> torch.nn.Module:
     """A tiny Llama with LoRA on every linear; B drawn at random (not peft's zero), so A's
     gradient is not zero from the first step."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=dropout)
     model = get_peft_model(tc.llama_model(vocab), config)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -57,3 +57,37 @@ def lora_parity(tp_size: int, vocab: int, sp: bool, steps: int = 4) -> list[floa
         losses.append(loss.item())
     tc.check_full_state(tp, ref, steps)
     return losses
+
+
+def replicas_with_dropout(tp_size: int, sp: bool, steps: int = 3) -> dict:
+    """LoRA dropout on under tp: the replicated factors after ``steps`` steps, and the first
+    forward's dropout masks of a column-parallel layer (its input is the same on every tp rank)
+    and of a row-parallel one (its input is this rank's features)."""
+    mesh = Mesh(dp=-1, tp=tp_size)
+    model = lora_llama(37, dropout=0.5)
+    plan = {f"base_model.model.{k}": v for k, v in plans.llama.tp_plan().items()}
+    tp = swtp.parallelize(model, mesh, plan, sequence_parallel=sp)
+    masks: dict[str, torch.Tensor] = {}
+    layer = "base_model.model.model.layers.0.self_attn"
+
+    def keep(proj: str):  # a forward hook that records its first output's zeros
+        def hook(module: torch.nn.Module, args: object, out: torch.Tensor) -> None:
+            masks.setdefault(proj, out == 0)
+
+        return hook
+
+    for proj in ("q_proj", "o_proj"):
+        model.get_submodule(f"{layer}.{proj}.lora_dropout.default").register_forward_hook(keep(proj))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-2)
+    model.train()
+    for x, y in tc.batches(steps, 37):
+        tc._llama_loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    replicated = {
+        n: p.detach()
+        for n, p in model.named_parameters()
+        if p.requires_grad and not tp.placements[n].shards
+    }
+    return {"replicated": replicated, "masks": masks}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import lora_tp_cases as lc
 import pytest
+import torch
 
 from shardwise.testing import run_on_ranks
 
@@ -18,3 +19,16 @@ def test_lora_llama_tp2_parity(sp: bool) -> None:
     losses = run_on_ranks(2, lc.lora_parity, 2, 37, sp, timeout_s=300)
     assert losses[0] == losses[1]
     assert losses[0] != pytest.approx(losses[0][0])
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_lora_dropout_under_tp_keeps_replicas_equal(sp: bool) -> None:
+    """The dropout before a whole A draws the same mask on every tp rank (the replicated A
+    stays equal, bit for bit); before a row-split A each rank draws its own."""
+    results = run_on_ranks(2, lc.replicas_with_dropout, 2, sp, timeout_s=300)
+    first, second = results
+    assert first["replicated"] and first["replicated"].keys() == second["replicated"].keys()
+    for name, value in first["replicated"].items():
+        assert torch.equal(second["replicated"][name], value), f"{name} differs across tp"
+    assert torch.equal(first["masks"]["q_proj"], second["masks"]["q_proj"])
+    assert not torch.equal(first["masks"]["o_proj"], second["masks"]["o_proj"])
