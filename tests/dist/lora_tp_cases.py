@@ -61,14 +61,14 @@ def lora_parity(tp_size: int, vocab: int, sp: bool, steps: int = 4) -> list[floa
 
 def replicas_with_dropout(tp_size: int, sp: bool, steps: int = 3) -> dict:
     """LoRA dropout on under tp: the replicated factors after ``steps`` steps, and the first
-    forward's dropout masks of a column-parallel layer (its input is the same on every tp rank)
-    and of a row-parallel one (its input is this rank's features)."""
+    forward's dropout masks of column-parallel layers (q: the same input on every tp rank; gate:
+    under SP this rank's tokens) and of a row-parallel one (its input: this rank's features)."""
     mesh = Mesh(dp=-1, tp=tp_size)
     model = lora_llama(37, dropout=0.5)
     plan = {f"base_model.model.{k}": v for k, v in plans.llama.tp_plan().items()}
     tp = swtp.parallelize(model, mesh, plan, sequence_parallel=sp)
     masks: dict[str, torch.Tensor] = {}
-    layer = "base_model.model.model.layers.0.self_attn"
+    layer = "base_model.model.model.layers.0"
 
     def keep(proj: str):  # a forward hook that records its first output's zeros
         def hook(module: torch.nn.Module, args: object, out: torch.Tensor) -> None:
@@ -76,8 +76,9 @@ def replicas_with_dropout(tp_size: int, sp: bool, steps: int = 3) -> dict:
 
         return hook
 
-    for proj in ("q_proj", "o_proj"):
-        model.get_submodule(f"{layer}.{proj}.lora_dropout.default").register_forward_hook(keep(proj))
+    for proj in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj"):
+        module = model.get_submodule(f"{layer}.{proj}.lora_dropout.default")
+        module.register_forward_hook(keep(proj.rsplit(".", 1)[-1]))
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=1e-2)
     model.train()

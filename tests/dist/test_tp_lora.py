@@ -23,8 +23,9 @@ def test_lora_llama_tp2_parity(sp: bool) -> None:
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_lora_dropout_under_tp_keeps_replicas_equal(sp: bool) -> None:
-    """The dropout before a whole A draws the same mask on every tp rank (the replicated A
-    stays equal, bit for bit); before a row-split A each rank draws its own."""
+    """The dropout before a whole A draws the same mask on every tp rank when its input is the
+    same there (the replicated A stays equal, bit for bit); before a row-split A, or under SP on
+    a rank's own tokens, each rank draws its own."""
     results = run_on_ranks(2, lc.replicas_with_dropout, 2, sp, timeout_s=300)
     first, second = results
     assert first["replicated"] and first["replicated"].keys() == second["replicated"].keys()
@@ -32,3 +33,5 @@ def test_lora_dropout_under_tp_keeps_replicas_equal(sp: bool) -> None:
         assert torch.equal(second["replicated"][name], value), f"{name} differs across tp"
     assert torch.equal(first["masks"]["q_proj"], second["masks"]["q_proj"])
     assert not torch.equal(first["masks"]["o_proj"], second["masks"]["o_proj"])
+    # the gate's input: the whole sequence on every rank, or under SP this rank's tokens
+    assert torch.equal(first["masks"]["gate_proj"], second["masks"]["gate_proj"]) != sp

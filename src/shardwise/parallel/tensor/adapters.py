@@ -12,8 +12,12 @@ result equals one process's:
   ``colwise_gather`` B's output is gathered like the base's.
 - row-parallel base (``rowwise``: input features split, the input arrives split): A is split on
   its input features, as a row-parallel layer (its ``r``-wide partial outputs summed over tp);
-  B is whole on every rank. The dropout before A, on features that differ per rank, draws from
-  the rank's own stream.
+  B is whole on every rank.
+
+The dropout before A draws the same mask on every tp rank where its input is the same there
+(the replicated stream), and from the rank's own stream where it differs (a row base's split
+features; under sequence parallelism a column base's input outside a ``whole_sequence`` module,
+this rank's tokens).
 
 Under sequence parallelism the whole factor (A of a column base, B of a row base) sees 1/tp of
 the tokens, or (A inside a ``whole_sequence`` module) a partial gradient: its placement is

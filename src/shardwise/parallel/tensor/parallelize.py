@@ -234,12 +234,25 @@ def _apply_adapters(tp: TensorParallel, name: str, layer: nn.Module, style: str)
         if tp.tp_size == 1:
             continue
         drop = dicts["lora_dropout"][key]
-        if row and isinstance(drop, nn.Dropout) and drop.p > 0:
-            hooks = rng.ForkOnForward(tp.tp_rank)  # its input: this rank's features
-            drop.register_forward_pre_hook(hooks.pre)
-            drop.register_forward_hook(hooks.post, always_call=True)
+        if isinstance(drop, nn.Dropout) and drop.p > 0 and (row or tp.sequence_parallel):
+            _fork_unless_whole(drop, tp, row)
         if not row and tp.sequence_parallel:
             _carry_whole(layer, dicts["lora_A"][key], tp.region)
+
+
+def _fork_unless_whole(drop: nn.Module, tp: TensorParallel, row: bool) -> None:
+    """The dropout before A draws from this rank's stream when its input differs per rank:
+    this rank's features (a row base), or under SP this rank's tokens (a column base outside
+    a ``whole_sequence`` module); before a whole A on the same input, every rank's mask is
+    the same (the replicated stream)."""
+    hooks = rng.ForkOnForward(tp.tp_rank)
+
+    def pre(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        if row or not tp.region.is_whole(args[0]):
+            hooks.pre(module, args)
+
+    drop.register_forward_pre_hook(pre)
+    drop.register_forward_hook(hooks.post, always_call=True)
 
 
 def _carry_whole(layer: nn.Module, lora_a: nn.Module, region: Region) -> None:
