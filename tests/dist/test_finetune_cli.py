@@ -1,7 +1,7 @@
 """``shardwise finetune`` end to end on 2 ranks: a run with a rank killed (-9) mid-run,
-resumed, gives the uninterrupted run's losses bit for bit (LoRA and full, packing); a LoRA
-checkpoint holds no base weight; the adapter / model reload in peft / transformers with the
-run's logits; bad input is refused in one line with nothing written."""
+resumed, gives the uninterrupted run's losses bit for bit (LoRA, LoRA at tp 2 and full,
+packing); a LoRA checkpoint holds no base weight; the adapter / model reload in peft /
+transformers with the run's logits; bad input is refused in one line with nothing written."""
 
 from __future__ import annotations
 
@@ -81,9 +81,11 @@ def _killed_mid_run(root: Path, args: tuple[str, ...], run: str) -> None:
     assert len(_losses(root / run)) < STEPS
 
 
-@pytest.mark.parametrize("how", [("--lora", LORA), ("--full",)])
+@pytest.mark.parametrize(
+    "how", [("--lora", LORA), ("--full",), ("--lora", TP_LORA, "--tp", "2", "--grad-accum", "2")]
+)
 def test_killed_run_resumes_bitwise_and_outputs_reload(root: Path, how: tuple[str, ...]) -> None:
-    name = how[0].strip("-")
+    name = "-".join(h.strip("-") for h in how if h.startswith("--"))
     args = (str(root / "llama"), "--data", str(root / "chat.jsonl"), *how, "--packing", *COMMON)
     args += ("--checkpoint-every", "2", "--steps", str(STEPS))
     whole = _cli(root, *args, "--run-dir", f"whole-{name}")
@@ -102,7 +104,7 @@ def test_killed_run_resumes_bitwise_and_outputs_reload(root: Path, how: tuple[st
     step_dir = run / "checkpoints" / f"step-{STEPS:08d}"
     state = read_consolidated(step_dir)
     x = torch.tensor([[3, 40, 41, 42, 4, 5]])
-    if name == "lora":
+    if how[0] == "--lora":
         from peft import PeftModel
 
         from shardwise.finetune.lora import LoraSpec, apply_lora
@@ -113,7 +115,7 @@ def test_killed_run_resumes_bitwise_and_outputs_reload(root: Path, how: tuple[st
         assert stored and all(".lora_A." in n or ".lora_B." in n for n in stored)
         base = AutoModelForCausalLM.from_pretrained(root / "llama")
         loaded = PeftModel.from_pretrained(base, run / "adapter").eval()
-        mine = apply_lora(AutoModelForCausalLM.from_pretrained(root / "llama"), LoraSpec.parse(LORA))
+        mine = apply_lora(AutoModelForCausalLM.from_pretrained(root / "llama"), LoraSpec.parse(how[1]))
         assert set(state) < set(mine.state_dict())
         mine.load_state_dict(state, strict=False)
         assert (run / "adapter" / "tokenizer.json").is_file()
