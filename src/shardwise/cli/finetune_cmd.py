@@ -118,7 +118,7 @@ def _check_inputs(ft: Any, data: str, seq_len: int | None, tp: int) -> tuple[int
     from shardwise.finetune.model import check_model_dir, decoder_layer_classes, load_tokenizer
     from shardwise.finetune.options import DEFAULT_SEQ_LEN
     from shardwise.finetune.pipeline import load_training_data
-    from shardwise.finetune.setup import lora_tp_refusal
+    from shardwise.finetune.setup import check_lora_under_tp, tp_plan_of
 
     config = check_model_dir(Path(ft.model_dir))
     context = getattr(config, "max_position_embeddings", None) or DEFAULT_SEQ_LEN
@@ -136,7 +136,7 @@ def _check_inputs(ft: Any, data: str, seq_len: int | None, tp: int) -> tuple[int
     if ft.lora_spec is not None:
         check_targets(model, ft.lora_spec)
         if tp > 1:
-            raise ValueError(lora_tp_refusal(model, ft.lora_spec))
+            check_lora_under_tp(model, ft.lora_spec, tp_plan_of(config, tp))
     return seq_len, decoder_layer_classes(model)
 
 
