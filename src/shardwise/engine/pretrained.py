@@ -25,7 +25,15 @@ from shardwise.checkpoint.entries import flat_range_boxes
 from shardwise.checkpoint.layout import MANIFEST_NAME
 from shardwise.engine.memory import InitPeak
 from shardwise.engine.targets import ParamTargets, Target
-from shardwise.hf import CheckpointWeights, NameMapping, map_names, model_spec, open_weights
+from shardwise.hf import (
+    CheckpointWeights,
+    ModelSpec,
+    NameMapping,
+    map_names,
+    model_spec,
+    open_weights,
+)
+from shardwise.parallel.pipeline.stage import PipelineModule
 from shardwise.parallel.placement import Placement
 
 log = logging.getLogger("shardwise.checkpoint")
@@ -53,7 +61,9 @@ def mapping_for(
     module: torch.nn.Module, targets: ParamTargets, source: Source, strict: bool
 ) -> NameMapping:
     """The model's names mapped onto ``source``'s, with each parameter's whole (unsplit)
-    shape."""
+    shape. A pipeline stage is matched under the whole model's names (``plain_names``), the
+    other stages' tensors neither loaded nor unexpected; the mapping is keyed by the stage's
+    own names."""
     spec = model_spec(module)
     whole = {id(t.param): t.placement.full_shape for t in targets}
     state = module.state_dict(keep_vars=True)
@@ -61,7 +71,38 @@ def mapping_for(
         n: s._replace(shape=tuple(whole.get(id(state[n]), s.shape)))
         for n, s in spec.tensors.items()
     }
-    return map_names(dataclasses.replace(spec, tensors=tensors), source, strict)
+    spec = dataclasses.replace(spec, tensors=tensors)
+    plain = module.plain_names if isinstance(module, PipelineModule) else {}
+    if not plain:
+        return map_names(spec, source, strict)
+    return _stage_mapping(spec, plain, source, strict)
+
+
+def _stage_mapping(
+    spec: ModelSpec, plain: dict[str, str], source: Source, strict: bool
+) -> NameMapping:
+    """``map_names`` for one pipeline stage under the whole model's names; a tied module's
+    copies on several stages each read the one stored tensor."""
+    unnamed = [n for n in spec.tensors if n not in plain]
+    if unnamed:
+        raise ValueError(
+            f"pipeline tensors {unnamed[:5]} have no name in the whole model: build the "
+            f"pipeline with shardwise.parallelize (which records the names) to load weights"
+        )
+    own = {plain[n]: t._replace(name=plain[n]) for n, t in spec.tensors.items()}
+    renamed = dataclasses.replace(
+        spec,
+        tensors=own,
+        tied={plain[a]: plain[b] for a, b in spec.tied.items() if plain[a] != plain[b]},
+        buffers=frozenset(plain.get(n, n) for n in spec.buffers),
+        elsewhere=frozenset(plain.values()) - set(own),
+    )
+    found = map_names(renamed, source, strict)
+    stage = {n: plain[n] for n in spec.tensors}
+    return dataclasses.replace(
+        found,
+        source_of={n: found.source_of[p] for n, p in stage.items() if p in found.source_of},
+    )
 
 
 def read_local(

@@ -65,6 +65,9 @@ class ModelSpec:
     """Regexes of stored names that are dropped without being reported."""
     buffers: frozenset[str] = frozenset()
     """Every buffer name, persistent or not: stored ones the model does not load are ignored."""
+    elsewhere: frozenset[str] = frozenset()
+    """Names of the whole model held by other processes (another pipeline stage's): stored
+    ones are neither loaded here nor unexpected."""
 
 
 def model_spec(model: nn.Module) -> ModelSpec:
@@ -209,7 +212,8 @@ def _ignored(key: str, spec: ModelSpec) -> bool:
     bare = key.removeprefix(PEFT_PREFIX)
     prefix = f"{spec.base_model_prefix}." if spec.base_model_prefix else ""
     names = {key, bare, prefix + bare, bare.removeprefix(prefix) if prefix else bare}
-    return bool(names & spec.buffers) or any(re.search(p, key) for p in spec.ignore_unexpected)
+    skipped = spec.buffers | spec.elsewhere
+    return bool(names & skipped) or any(re.search(p, key) for p in spec.ignore_unexpected)
 
 
 def _fill_tied(spec: ModelSpec, source_of: dict[str, str]) -> dict[str, str]:
