@@ -6,6 +6,7 @@ AdamW steps beside ``transformers`` training in one process -> ``Engine.save_pre
 from __future__ import annotations
 
 import copy
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -225,3 +226,50 @@ def round_trip(kind: str, layout: str, model_dir: str, out: str) -> dict:
         _close(reloaded.state_dict(), trained, **WEIGHT_TOL)
     shardwise.comm.barrier(group=world)
     return {"losses": losses, "want": want_losses, "loaded": loaded, "logits": logits is not None}
+
+
+def lora_round_trip(model_dir: str, out: str, stage: int) -> dict:
+    """A LoRA Llama over a base streamed from ``model_dir`` at dp over every rank (ZeRO
+    ``stage``), as ``shardwise finetune`` builds it: two steps, the adapter saved alone, then
+    ``PeftModel.from_pretrained`` over the directory's base gives the engine's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.finetune.base_weights import base_name, open_base_weights
+    from shardwise.finetune.lora import LoraSpec, adapter_init_fn, apply_lora
+    from shardwise.finetune.setup import check_base_weights
+
+    meta = _meta("llama")
+    check_base_weights(meta, Path(model_dir))  # every base tensor is there: strict on the base
+    model = apply_lora(meta, LoraSpec.parse("r=4,alpha=8,dropout=0.0,targets=q_proj,v_proj"))
+    engine = shardwise.initialize(
+        model,
+        _adamw,
+        shardwise.Config(zero_stage=stage),
+        weights=open_base_weights(Path(model_dir), model),
+        init_fn=adapter_init_fn(model, seed=0),
+        strict=False,  # the adapters are not in the directory: init_fn makes them
+    )
+    source = source_model("llama").state_dict()
+    state = engine.state_dict()
+    base = {base_name(n): t for n, t in state.items() if "lora_" not in n}
+    loaded = _close(base, source, rtol=0, atol=1e-6)
+    assert loaded == len(source)
+    losses = [_train_step(engine, s, False) for s in range(2)]
+    trained = engine.state_dict()
+    lora_b = [t for n, t in trained.items() if "lora_B" in n]
+    assert lora_b and all(bool(t.abs().sum() > 0) for t in lora_b)  # the adapters learned
+    for n, t in trained.items():  # the frozen base did not move
+        if "lora_" not in n:
+            torch.testing.assert_close(t, state[n], rtol=0, atol=0)
+    x = tokens(STEPS)
+    logits = _logits(engine, x, 0)
+    report = engine.save_pretrained(out, adapter_only=True)
+    world = shardwise.comm.resolve(None)
+    if world.rank == 0:
+        base_model = AutoModelForCausalLM.from_pretrained(model_dir)
+        reloaded = PeftModel.from_pretrained(base_model, out).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded(x).logits, logits, rtol=0, atol=1e-6)
+    shardwise.comm.barrier(group=world)
+    return {"losses": losses, "adapter": report.tensors, "files": sorted(os.listdir(out))}

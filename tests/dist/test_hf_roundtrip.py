@@ -47,3 +47,15 @@ def test_round_trip(source_dirs, tmp_path, kind, layout):
         assert mean == pytest.approx(want[step], rel=1e-5)
     assert all(r["loaded"] > 0 for r in rows)
     assert any(r["logits"] for r in rows)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_lora_adapter_from_a_streamed_base(source_dirs, tmp_path, stage):
+    pytest.importorskip("peft")
+    rows = run_on_ranks(
+        2, rc.lora_round_trip, source_dirs["llama"], str(tmp_path), stage, timeout_s=300
+    )
+    # 2 layers x (q, v) x (A, B), and nothing of the base
+    assert len(rows[0]["adapter"]) == 8
+    assert all(".lora_A." in n or ".lora_B." in n for n in rows[0]["adapter"])
+    assert rows[0]["files"] == ["adapter_config.json", "adapter_model.safetensors"]
