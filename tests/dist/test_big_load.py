@@ -109,7 +109,11 @@ def _unreadable_dtype(bad: Path) -> Path:
         ("unreadable", "dtype 'C64' cannot be read"),
     ],
 )
-def test_tensor_with_wrong_shape_or_dtype_fails_on_every_rank(llama_dir, tmp_path, fault, problem):
+@pytest.mark.parametrize("layout", ["dp2_zero3", "pp2"])
+def test_tensor_with_wrong_shape_or_dtype_fails_on_every_rank(
+    llama_dir, tmp_path, fault, problem, layout
+):
+    # at pp2 the tensor is on the second stage only: the first learns of it from there
     bad = _copy(llama_dir, tmp_path / fault)
     if fault == "shape":
         shard = _replace_tensor(bad, torch.zeros(64, 31))
@@ -117,7 +121,7 @@ def test_tensor_with_wrong_shape_or_dtype_fails_on_every_rank(llama_dir, tmp_pat
         shard = _replace_tensor(bad, torch.zeros(64, 32, dtype=getattr(torch, fault)))
     else:
         shard = _unreadable_dtype(bad)
-    messages = run_on_ranks(2, bc.bad_source, str(bad), timeout_s=300)
+    messages = run_on_ranks(2, bc.bad_source, str(bad), layout, timeout_s=120)
     assert len(messages) == 2
     for m in messages:
         assert shard.name in m and repr(TENSOR) in m and problem in m, m

@@ -16,23 +16,28 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from shardwise.checkpoint.entries import flat_range_boxes
 from shardwise.checkpoint.layout import MANIFEST_NAME
+from shardwise.comm import objects
+from shardwise.comm.groups import Group
 from shardwise.engine.memory import InitPeak
 from shardwise.engine.targets import ParamTargets, Target
 from shardwise.hf import (
     CheckpointWeights,
     ModelSpec,
     NameMapping,
+    WeightsError,
     map_names,
     model_spec,
     open_weights,
 )
+from shardwise.mesh import AXIS_ORDER
 from shardwise.parallel.pipeline.stage import PipelineModule
 from shardwise.parallel.placement import Placement
 
@@ -40,7 +45,7 @@ log = logging.getLogger("shardwise.checkpoint")
 
 Source = Any  # a SafetensorsSource or CheckpointWeights: names, shape, dtype, read_box, origin
 
-__all__ = ["Source", "load_pretrained", "open_source", "stream_into"]
+__all__ = ["Source", "load_pretrained", "on_every_rank", "open_source", "stream_into"]
 
 
 def open_source(weights: Path | str | Source) -> Source:
@@ -201,11 +206,48 @@ def load_pretrained(
     """Load ``weights`` into ``engine`` (any engine, right after ``initialize``), each rank
     reading only the pieces of every tensor it keeps (see the module docstring); call on every
     rank. Lenient (``strict=False``): parameters the source lacks keep their values, and the
-    mapping returned lists them. Optimizer states are untouched. Communicates nothing.
+    mapping returned lists them. Optimizer states are untouched. Communicates: see
+    ``on_every_rank``.
 
     Raises:
-        WeightsError: naming the file and tensor at fault (a strict mismatch, a damaged file).
+        WeightsError: on every rank, naming the file and tensor at fault (a strict mismatch, a
+            damaged file), as raised on the first rank that found it.
     """
-    targets = ParamTargets(engine.module, engine._where, engine.placements)
-    with open_source(weights) as source:
-        return stream_into(engine.module, targets, source, strict, engine.init_peak)
+
+    def load() -> NameMapping:
+        targets = ParamTargets(engine.module, engine._where, engine.placements)
+        with open_source(weights) as source:
+            return stream_into(engine.module, targets, source, strict, engine.init_peak)
+
+    return on_every_rank(engine, load)
+
+
+_T = TypeVar("_T")
+
+
+def on_every_rank(engine: Any, fn: Callable[[], _T]) -> _T:
+    """``fn()`` (a load, which communicates nothing) on every rank of ``engine``, then raise on
+    every rank if it raised on any: the ranks that failed re-raise their own error, the others
+    a ``WeightsError`` quoting the first failed rank's. A rank may fail alone (a pipeline stage
+    checks its own tensors, a rank reads only its own pieces); without this the others would
+    go on and wait for it in their first collective.
+
+    Communicates: one all_gather_object over every rank of the engine (its mesh, else its dp
+    group)."""
+    mesh = engine.mesh
+    everyone: Group = engine.dp_group if mesh is None else mesh.group(*AXIS_ORDER)
+    failure: Exception | None = None
+    result = None
+    try:
+        result = fn()
+    except Exception as exc:  # any failure: the other ranks must not be left waiting
+        failure = exc
+    said = None if failure is None else f"{type(failure).__name__}: {failure}"
+    every = objects.all_gather_object(said, group=everyone)
+    if failure is not None:
+        raise failure
+    failed = [(r, m) for r, m in zip(everyone.ranks, every) if m is not None]
+    if failed:
+        rank, message = failed[0]
+        raise WeightsError(f"loading the weights failed on rank {rank} ({message})")
+    return result  # type: ignore[return-value]
