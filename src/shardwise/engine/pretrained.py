@@ -8,7 +8,9 @@ lists them). For each parameter the rank reads the part of its local tensor it k
 its flat shard range, which may start and end inside a row; under tp its slice of the whole
 tensor from the placement's split dims, vocabulary padding left zero; both at once when
 combined), in boxes of at most a third of the largest tensor, converted to the dtype it is kept
-in on copy (bf16 on disk into fp32 masters without a full-size copy).
+in on copy (bf16 on disk into fp32 masters without a full-size copy). A pipeline stage (built
+by ``shardwise.parallelize``) is matched under the whole model's names, each stage reading its
+own tensors. The ranks then agree on the outcome: a failure on any rank raises on all.
 """
 
 from __future__ import annotations
