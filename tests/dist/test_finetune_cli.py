@@ -20,11 +20,15 @@ from launcher_procs import Cli, wait_ranks
 
 from shardwise.finetune import demo
 
+safetensors_torch = pytest.importorskip("safetensors.torch")
+load_file, save_file = safetensors_torch.load_file, safetensors_torch.save_file
+
 pytest.importorskip("peft")
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 LORA = "r=4,alpha=8,dropout=0.0,targets=q_proj,v_proj"
 TP_LORA = "r=4,alpha=8,dropout=0.0,targets=q_proj,k_proj,v_proj,o_proj,gate_proj,down_proj,lm_head"
 EMB_LORA = "r=4,alpha=8,dropout=0.0,targets=embed_tokens,q_proj"
+BAD_TENSOR = "model.layers.0.mlp.up_proj.weight"
 
 
 def _cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -48,6 +52,11 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         (root / "nochat" / f).unlink(missing_ok=True)
     demo.tokenizer(chat=False).save_pretrained(root / "nochat")
+    shutil.copytree(llama, root / "badshape")  # one tensor of the wrong shape for its name
+    weights = root / "badshape" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors[BAD_TENSOR] = tensors[BAD_TENSOR][:, :-1].clone()
+    save_file(tensors, weights, metadata={"format": "pt"})
     long = {"prompt": " ".join(["the quick brown fox"] * 40), "completion": " dog"}
     demo.write_jsonl(root / "masked.jsonl", [long] * 8)
     return root
@@ -173,6 +182,7 @@ def test_lora_at_tp2_follows_dp2_and_its_outputs_reload(root: Path) -> None:
         (("notok", "--data", "chat.jsonl", "--full"), "has no tokenizer.json"),
         (("nochat", "--data", "chat.jsonl", "--full"), "the tokenizer has no chat template"),
         (("llama", "--data", "masked.jsonl", "--full", "--seq-len", "64"), "all its labels masked"),
+        (("badshape", "--data", "chat.jsonl", "--lora", LORA), f"{BAD_TENSOR} (stored as"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_nothing_written(root: Path, args, message) -> None:
