@@ -1,12 +1,19 @@
 """Where ``--auto``'s choice lands among every layout that fits: for the built-in GPT at two sizes
 and two global batches, the ranks are calibrated as ``shardwise train --auto`` calibrates them,
-every fitting layout the train command can run is priced, and the layouts (all of them, or
-``--max-layouts`` spread evenly over the predicted ranking, always with the predicted best) run
-``--steps`` steps each in ``--rounds`` interleaved turns (engines kept alive between turns, so a
-drift in the machine's speed hits all alike); medians.
+every fitting layout the train command can run is priced, and the layouts (all of them with
+``--max-layouts 0``, or that many spread evenly over the predicted ranking, always with the
+predicted best) run ``--steps`` steps each in ``--rounds`` interleaved turns (engines kept alive
+between turns, so a drift in the machine's speed hits all alike); medians.
+
+With ``--confirm K``, every layout is first screened: built, one warm-up step and
+``--screen-steps`` timed steps, then freed (hundreds of engines do not fit at once). The K
+fastest screened layouts and ``--auto``'s choice then take turns for ``--rounds`` rounds as
+above; the choice's gap is measured against the fastest of those, and the rank correlation is
+over every screened layout.
 
     python benchmarks/auto_plan.py [--models tiny,small] [--batches 8,16] [--ranks 2,4]
-        [--max-layouts 10] [--steps 3] [--rounds 3] [--budget-s 20] [--json F]
+        [--max-layouts 10] [--confirm 0] [--screen-steps 2] [--steps 3] [--rounds 3]
+        [--budget-s 20] [--json F]
 
 Per configuration: each layout's measured step, predicted step and both ranks, ``*`` on
 ``--auto``'s choice (the predicted best), its gap to the fastest measured layout, and the rank
@@ -58,7 +65,9 @@ def _run(model: str, n: int, micro: int, accum: int) -> Any:
                      launch={"nproc_per_node": n})  # fmt: skip
 
 
-def time_rank(key: str, run_dict: dict, steps: int, warmup: int) -> list[float]:
+def time_rank(key: str, run_dict: dict, steps: int, warmup: int, keep: bool = True) -> list[float]:
+    import gc
+
     import torch
 
     from shardwise.comm import current_world
@@ -68,7 +77,26 @@ def time_rank(key: str, run_dict: dict, steps: int, warmup: int) -> list[float]:
     torch.set_num_threads(1)
     if key not in _TRIALS:
         _TRIALS[key] = Trial(RunConfig.from_dict(run_dict), current_world.current())
-    return _TRIALS[key].timed(steps, warmup)
+    times = _TRIALS[key].timed(steps, warmup)
+    if not keep:  # a screened layout: free its engine before the next one is built
+        del _TRIALS[key]
+        gc.collect()
+    return times
+
+
+def _screen(
+    pool: Any, name: str, picks: list, runs: list[dict], args: Any
+) -> tuple[list[int], list[float]]:
+    """Every layout once (built, timed, freed): the indices of the ``--confirm`` fastest and of
+    the predicted best (index 0), and each layout's screened median in ``picks``' order."""
+    screened = []
+    for i, run in enumerate(runs):
+        key = f"{name}/{picks[i].layout.describe()}/screen"
+        t = pool.run(time_rank, key, run, args.screen_steps, 1, False, timeout_s=900)[0]
+        screened.append(statistics.median(t))
+    order = sorted(range(len(runs)), key=lambda i: screened[i])
+    keep = sorted({0, *order[: args.confirm]})
+    return keep, screened
 
 
 def _config(pool: Any, model: str, n: int, batch: int, args: Any) -> dict:
@@ -85,40 +113,52 @@ def _config(pool: Any, model: str, n: int, batch: int, args: Any) -> dict:
         step = (len(ranked) - 1) / (args.max_layouts - 1)
         picks = [ranked[round(i * step)] for i in range(args.max_layouts)]
     runs = [layout_choice.run_config(base, r.layout).to_dict() for r in picks]
+    screened: list[float] | None = None
+    chosen = list(range(len(picks)))
+    if args.confirm:
+        chosen, screened = _screen(pool, f"{model}/{batch}", picks, runs, args)
     times: list[list[float]] = [[] for _ in picks]
     for rnd in range(args.rounds):
-        for i, run in enumerate(runs):
+        for i in chosen:
             key = f"{model}/{batch}/{picks[i].layout.describe()}"
             warm = 1 if rnd == 0 else 0
-            times[i] += pool.run(time_rank, key, run, args.steps, warm, timeout_s=900)[0]
-    measured = [statistics.median(t) for t in times]
+            times[i] += pool.run(time_rank, key, runs[i], args.steps, warm, timeout_s=900)[0]
+    for key in [k for k in _TRIALS if k.startswith(f"{model}/{batch}/")]:
+        del _TRIALS[key]  # only the lead's copy; the ranks' engines live in the pool
+    measured = [statistics.median(t) if t else None for t in times]
     predicted = [r.prediction.step_s for r in picks]
-    fastest = min(measured)
+    fastest = min(m for m in measured if m is not None)
     rows = [{"layout": r.layout.describe(), "predicted_s": p, "measured_s": m,
+             "screened_s": None if screened is None else screened[i],
              "predicted_rank": ranked.index(r) + 1, "auto": i == 0}
             for i, (r, p, m) in enumerate(zip(picks, predicted, measured))]  # fmt: skip
-    by_meas = sorted(range(len(rows)), key=lambda i: measured[i])
+    basis = measured if screened is None else screened  # every layout has a time here
+    by_meas = sorted(range(len(rows)), key=lambda i: basis[i])
     for pos, i in enumerate(by_meas, 1):
         rows[i]["measured_rank"] = pos
-    rho = rank_correlation(predicted, measured) if len(rows) > 1 else None
+    rho = rank_correlation(predicted, basis) if len(rows) > 1 else None
     return {"model": model, "ranks": n, "global_batch": batch, "fitting": len(ranked),
-            "calibration": calib.describe(), "rows": rows,
+            "calibration": calib.describe(), "rows": rows, "confirmed": len(chosen),
             "auto_vs_fastest": measured[0] / fastest - 1, "spearman": rho}  # fmt: skip
 
 
 def _print(c: dict) -> None:
     print(f"\n## {c['model']}, {c['ranks']} ranks, global batch {c['global_batch']}: "
-          f"{c['fitting']} layouts fit, {len(c['rows'])} run")  # fmt: skip
+          f"{c['fitting']} layouts fit, {len(c['rows'])} run, "
+          f"{c['confirmed']} in the rounds")  # fmt: skip
     print(f"   {c['calibration']}")
-    print(f"{'':1} {'layout':<66} {'pred s':>8} {'pred#':>5} {'meas s':>8} {'meas#':>5}")
-    for r in sorted(c["rows"], key=lambda r: r["measured_s"]):
+    print(f"{'':1} {'layout':<66} {'pred s':>8} {'pred#':>5} {'screen s':>8} {'rounds s':>8} "
+          f"{'meas#':>5}")  # fmt: skip
+    for r in sorted(c["rows"], key=lambda r: r["measured_rank"]):
         mark = "*" if r["auto"] else " "
+        scr = "" if r["screened_s"] is None else f"{r['screened_s']:.4f}"
+        mea = "" if r["measured_s"] is None else f"{r['measured_s']:.4f}"
         print(f"{mark} {r['layout']:<66} {r['predicted_s']:>8.4f} {r['predicted_rank']:>5} "
-              f"{r['measured_s']:>8.4f} {r['measured_rank']:>5}")  # fmt: skip
+              f"{scr:>8} {mea:>8} {r['measured_rank']:>5}")  # fmt: skip
     rho = "n/a" if c["spearman"] is None else f"{c['spearman']:+.2f}"
-    print(
-        f"--auto's choice (*): {c['auto_vs_fastest']:+.1%} vs the fastest measured; Spearman {rho}"
-    )
+    over = "in the rounds" if c["confirmed"] < len(c["rows"]) else "measured"
+    print(f"--auto's choice (*): {c['auto_vs_fastest']:+.1%} vs the fastest {over}; "
+          f"Spearman {rho} over {len(c['rows'])} layouts")  # fmt: skip
 
 
 def main() -> int:
@@ -129,6 +169,8 @@ def main() -> int:
     p.add_argument("--batches", default="8,16")
     p.add_argument("--ranks", default="2")
     p.add_argument("--max-layouts", type=int, default=10)
+    p.add_argument("--confirm", type=int, default=0, help="screen all, then K in the rounds")
+    p.add_argument("--screen-steps", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=20.0)

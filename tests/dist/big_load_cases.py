@@ -19,6 +19,7 @@ from shardwise.models.gpt import GPT, GPTConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 import hf_models  # noqa: E402
+import roundtrip_cases as rc  # noqa: E402
 
 GPT_CFG = GPTConfig(vocab_size=50, seq_len=16, d_model=32, n_layer=2, n_head=4)
 
@@ -103,13 +104,11 @@ def llama_load_train(model_dir: str, stage: int) -> tuple[list[float], tuple[int
     return losses, bound_holds(engine)
 
 
-def bad_source(model_dir: str) -> str:
-    from transformers import LlamaForCausalLM
-
-    with shardwise.deferred_init():
-        meta = LlamaForCausalLM(hf_models.tiny_llama().config)
+def bad_source(model_dir: str, layout: str = "dp2_zero3") -> str:
+    """Start a meta-built Llama from a damaged ``model_dir`` at ``layout`` (see
+    ``roundtrip_cases.build``): the error this rank raised (nothing was trained)."""
     try:
-        shardwise.initialize(meta, _sgd, shardwise.Config(zero_stage=3), weights=model_dir)
+        rc.build("llama", layout, model_dir)
     except WeightsError as exc:
         return str(exc)
     raise AssertionError("a damaged source was accepted")

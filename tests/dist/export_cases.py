@@ -20,6 +20,7 @@ from shardwise.parallel.tensor import parallelize as tp_parallelize
 
 VOCAB = 37  # does not divide by tp: the embedding and head carry vocabulary padding
 SHARD = 12_000  # bytes per output file: several files
+TARGETS = ("q_proj", "v_proj")
 
 
 def hf_model(kind: str):  # -> a transformers causal LM
@@ -193,16 +194,20 @@ def stage_only_bytes(pp: int, tp: int) -> dict:
     }
 
 
-def export_lora(stage: int, out: str) -> dict:
-    """A peft LoRA Llama at dp over every rank: the adapter reloads into the base with
-    ``PeftModel.from_pretrained``, the merged model with ``from_pretrained``; same logits."""
+def export_lora(stage: int, out: str, tp: int = 1, targets: tuple[str, ...] = TARGETS) -> dict:
+    """A peft LoRA Llama at dp over every rank (``tp`` > 1: the adapters split with their
+    layers): the adapter reloads into the base with ``PeftModel.from_pretrained``, the merged
+    model with ``from_pretrained``; same logits."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=0.0)
     model = get_peft_model(hf_model("llama"), lora)
+    mesh = Mesh(dp=-1, tp=tp)
+    plan = {f"base_model.model.{k}": v for k, v in plans.llama.tp_plan().items()}
+    par = shardwise.parallelize(model, mesh, ParallelPlan(tensor=plan if tp > 1 else None))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    engine = shardwise.initialize(model, opt, shardwise.Config(zero_stage=stage))
+    engine = shardwise.initialize(par, opt, shardwise.Config(zero_stage=stage))
     x = _tokens()
     _one_step(engine, x)
     with torch.no_grad():

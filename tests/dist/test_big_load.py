@@ -5,11 +5,13 @@ from, within the memory bound, and bad sources fail on every rank naming the fil
 from __future__ import annotations
 
 import json
+import struct
 import sys
 from pathlib import Path
 
 import big_load_cases as bc
 import pytest
+import torch
 
 from shardwise.costmodel import memory
 from shardwise.testing import run_on_ranks
@@ -85,11 +87,15 @@ def test_llama_dir_loads_at_dp2_and_trains_like_one_process(llama_dir, stage):
         assert 0 < peak <= bound
 
 
-def test_index_naming_a_missing_file_fails_on_every_rank(llama_dir, tmp_path):
-    bad = tmp_path / "bad"
+def _copy(llama_dir: Path, bad: Path) -> Path:
     bad.mkdir()
     for f in llama_dir.iterdir():
         (bad / f.name).write_bytes(f.read_bytes())
+    return bad
+
+
+def test_index_naming_a_missing_file_fails_on_every_rank(llama_dir, tmp_path):
+    bad = _copy(llama_dir, tmp_path / "bad")
     index = json.loads((bad / "model.safetensors.index.json").read_text())
     gone = sorted(set(index["weight_map"].values()))[0]
     (bad / gone).unlink()
@@ -98,14 +104,90 @@ def test_index_naming_a_missing_file_fails_on_every_rank(llama_dir, tmp_path):
 
 
 def test_truncated_file_fails_on_every_rank(llama_dir, tmp_path):
-    bad = tmp_path / "trunc"
-    bad.mkdir()
-    for f in llama_dir.iterdir():
-        (bad / f.name).write_bytes(f.read_bytes())
+    bad = _copy(llama_dir, tmp_path / "trunc")
     shard = sorted(bad.glob("model-*.safetensors"))[-1]
     shard.write_bytes(shard.read_bytes()[:-100])
     messages = run_on_ranks(2, bc.bad_source, str(bad), timeout_s=300)
     assert all(shard.name in m for m in messages)
+
+
+TENSOR = "model.layers.1.mlp.up_proj.weight"  # [64, 32] fp32 in one of the shards
+
+
+def _holder(bad: Path) -> Path:
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    return bad / index["weight_map"][TENSOR]
+
+
+def _replace_tensor(bad: Path, value: torch.Tensor) -> Path:
+    """Rewrite the shard holding ``TENSOR`` with ``value`` in its place; the shard."""
+    from safetensors.torch import load_file, save_file
+
+    shard = _holder(bad)
+    tensors = load_file(shard)
+    tensors[TENSOR] = value
+    save_file(tensors, shard, metadata={"format": "pt"})
+    return shard
+
+
+def _unreadable_dtype(bad: Path) -> Path:
+    """``TENSOR``'s header entry given a dtype the loader cannot read (complex), bytes kept."""
+    shard = _holder(bad)
+    raw = bytearray(shard.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    header[TENSOR]["dtype"] = "C64"  # 8 bytes an element: data_offsets would not match F32
+    header[TENSOR]["shape"] = [32, 32]
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    assert len(text) == n
+    shard.write_bytes(bytes(raw[:8]) + text + bytes(raw[8 + n :]))
+    return shard
+
+
+@pytest.mark.parametrize(
+    "fault,problem",
+    [
+        ("shape", "model has [64, 32]"),
+        ("int64", "torch.int64, model has [64, 32] torch.float32"),
+        ("bool", "torch.bool, model has [64, 32] torch.float32"),
+        ("unreadable", "dtype 'C64' cannot be read"),
+    ],
+)
+@pytest.mark.parametrize("layout", ["dp2_zero3", "pp2"])
+def test_tensor_with_wrong_shape_or_dtype_fails_on_every_rank(
+    llama_dir, tmp_path, fault, problem, layout
+):
+    # at pp2 the tensor is on the second stage only: the first learns of it from there
+    bad = _copy(llama_dir, tmp_path / fault)
+    if fault == "shape":
+        shard = _replace_tensor(bad, torch.zeros(64, 31))
+    elif fault in ("int64", "bool"):
+        shard = _replace_tensor(bad, torch.zeros(64, 32, dtype=getattr(torch, fault)))
+    else:
+        shard = _unreadable_dtype(bad)
+    messages = run_on_ranks(2, bc.bad_source, str(bad), layout, timeout_s=120)
+    assert len(messages) == 2
+    for m in messages:
+        assert shard.name in m and repr(TENSOR) in m and problem in m, m
+
+
+@pytest.mark.parametrize("escape", ["parent", "absolute", "subdir"])
+def test_index_names_escaping_the_directory_fail_on_every_rank(llama_dir, tmp_path, escape):
+    bad = _copy(llama_dir, tmp_path / escape)
+    shard = _holder(bad)
+    outside = tmp_path / shard.name
+    outside.write_bytes(shard.read_bytes())  # the escaping name points at a real file
+    (bad / "sub").mkdir()
+    (bad / "sub" / shard.name).write_bytes(shard.read_bytes())
+    named = {"parent": f"../{shard.name}", "absolute": str(outside), "subdir": f"sub/{shard.name}"}
+    index_path = bad / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"][TENSOR] = named[escape]
+    index_path.write_text(json.dumps(index))
+    messages = run_on_ranks(2, bc.bad_source, str(bad), timeout_s=300)
+    assert len(messages) == 2
+    for m in messages:
+        assert index_path.name in m and repr(TENSOR) in m and "not a plain file name" in m, m
 
 
 def test_meta_parameter_nobody_initialized_is_named_on_every_rank():

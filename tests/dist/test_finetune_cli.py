@@ -1,7 +1,7 @@
 """``shardwise finetune`` end to end on 2 ranks: a run with a rank killed (-9) mid-run,
-resumed, gives the uninterrupted run's losses bit for bit (LoRA and full, packing); a LoRA
-checkpoint holds no base weight; the adapter / model reload in peft / transformers with the
-run's logits; bad input is refused in one line with nothing written."""
+resumed, gives the uninterrupted run's losses bit for bit (LoRA, LoRA at tp 2 and full,
+packing); a LoRA checkpoint holds no base weight; the adapter / model reload in peft /
+transformers with the run's logits; bad input is refused in one line with nothing written."""
 
 from __future__ import annotations
 
@@ -20,9 +20,15 @@ from launcher_procs import Cli, wait_ranks
 
 from shardwise.finetune import demo
 
+safetensors_torch = pytest.importorskip("safetensors.torch")
+load_file, save_file = safetensors_torch.load_file, safetensors_torch.save_file
+
 pytest.importorskip("peft")
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 LORA = "r=4,alpha=8,dropout=0.0,targets=q_proj,v_proj"
+TP_LORA = "r=4,alpha=8,dropout=0.0,targets=q_proj,k_proj,v_proj,o_proj,gate_proj,down_proj,lm_head"
+EMB_LORA = "r=4,alpha=8,dropout=0.0,targets=embed_tokens,q_proj"
+BAD_TENSOR = "model.layers.0.mlp.up_proj.weight"
 
 
 def _cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -46,14 +52,19 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         (root / "nochat" / f).unlink(missing_ok=True)
     demo.tokenizer(chat=False).save_pretrained(root / "nochat")
+    shutil.copytree(llama, root / "badshape")  # one tensor of the wrong shape for its name
+    weights = root / "badshape" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors[BAD_TENSOR] = tensors[BAD_TENSOR][:, :-1].clone()
+    save_file(tensors, weights, metadata={"format": "pt"})
     long = {"prompt": " ".join(["the quick brown fox"] * 40), "completion": " dog"}
     demo.write_jsonl(root / "masked.jsonl", [long] * 8)
     return root
 
 
-def _losses(run: Path) -> list[float]:
+def _losses(run: Path, key: str = "loss") -> list[float]:
     lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["loss"] for line in lines if line.strip()]
+    return [json.loads(line)[key] for line in lines if line.strip()]
 
 
 COMMON = ("--seq-len", "64", "--micro-batch", "2", "--zero", "3", "--lr", "1e-2")
@@ -79,9 +90,11 @@ def _killed_mid_run(root: Path, args: tuple[str, ...], run: str) -> None:
     assert len(_losses(root / run)) < STEPS
 
 
-@pytest.mark.parametrize("how", [("--lora", LORA), ("--full",)])
+@pytest.mark.parametrize(
+    "how", [("--lora", LORA), ("--full",), ("--lora", TP_LORA, "--tp", "2", "--grad-accum", "2")]
+)
 def test_killed_run_resumes_bitwise_and_outputs_reload(root: Path, how: tuple[str, ...]) -> None:
-    name = how[0].strip("-")
+    name = "-".join(h.strip("-") for h in how if h.startswith("--"))
     args = (str(root / "llama"), "--data", str(root / "chat.jsonl"), *how, "--packing", *COMMON)
     args += ("--checkpoint-every", "2", "--steps", str(STEPS))
     whole = _cli(root, *args, "--run-dir", f"whole-{name}")
@@ -100,7 +113,7 @@ def test_killed_run_resumes_bitwise_and_outputs_reload(root: Path, how: tuple[st
     step_dir = run / "checkpoints" / f"step-{STEPS:08d}"
     state = read_consolidated(step_dir)
     x = torch.tensor([[3, 40, 41, 42, 4, 5]])
-    if name == "lora":
+    if how[0] == "--lora":
         from peft import PeftModel
 
         from shardwise.finetune.lora import LoraSpec, apply_lora
@@ -111,7 +124,7 @@ def test_killed_run_resumes_bitwise_and_outputs_reload(root: Path, how: tuple[st
         assert stored and all(".lora_A." in n or ".lora_B." in n for n in stored)
         base = AutoModelForCausalLM.from_pretrained(root / "llama")
         loaded = PeftModel.from_pretrained(base, run / "adapter").eval()
-        mine = apply_lora(AutoModelForCausalLM.from_pretrained(root / "llama"), LoraSpec.parse(LORA))
+        mine = apply_lora(AutoModelForCausalLM.from_pretrained(root / "llama"), LoraSpec.parse(how[1]))
         assert set(state) < set(mine.state_dict())
         mine.load_state_dict(state, strict=False)
         assert (run / "adapter" / "tokenizer.json").is_file()
@@ -124,6 +137,38 @@ def test_killed_run_resumes_bitwise_and_outputs_reload(root: Path, how: tuple[st
         torch.testing.assert_close(loaded(x).logits, mine.eval()(x).logits, rtol=0, atol=1e-6)
 
 
+def test_lora_at_tp2_follows_dp2_and_its_outputs_reload(root: Path) -> None:
+    """``--lora --tp 2`` (adapters split with their layers) takes the steps of the same global
+    batch at dp 2 (losses and gradient norms); the joined adapter loads in peft with the merged model's logits and the
+    checkpoint's."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.checkpoint.tools import read_consolidated
+    from shardwise.finetune.lora import LoraSpec, apply_lora
+
+    args = (str(root / "llama"), "--data", str(root / "chat.jsonl"), "--lora", TP_LORA, *COMMON)
+    args += ("--steps", "4", "--checkpoint-every", "4")
+    dp2 = _cli(root, *args, "--run-dir", "lora-dp2")
+    assert dp2.returncode == 0, dp2.stderr[-2000:]
+    tp2 = _cli(root, *args, "--tp", "2", "--grad-accum", "2", "--merge", "--run-dir", "lora-tp2")
+    assert tp2.returncode == 0, tp2.stderr[-2000:]
+    for key in ("loss", "grad_norm"):  # the norm: each adapter counted once (clipped at 1)
+        want = _losses(root / "lora-dp2", key)
+        assert _losses(root / "lora-tp2", key) == pytest.approx(want, rel=1e-5)
+    run = root / "lora-tp2"
+    x = torch.tensor([[3, 40, 41, 42, 4, 5]])
+    base = AutoModelForCausalLM.from_pretrained(root / "llama")
+    adapter = PeftModel.from_pretrained(base, run / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(run / "model").eval()
+    mine = apply_lora(AutoModelForCausalLM.from_pretrained(root / "llama"), LoraSpec.parse(TP_LORA))
+    mine.load_state_dict(read_consolidated(run / "checkpoints" / "step-00000004"), strict=False)
+    with torch.no_grad():
+        want = adapter(x).logits
+        torch.testing.assert_close(mine.eval()(x).logits, want, rtol=0, atol=1e-6)
+        torch.testing.assert_close(merged(x).logits, want, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -133,10 +178,11 @@ def test_killed_run_resumes_bitwise_and_outputs_reload(root: Path, how: tuple[st
         (("llama", "--data", "empty.jsonl", "--full"), "holds no example"),
         (("llama", "--data", "chat.jsonl", "--full", "--merge"), "needs --lora"),
         (("alien", "--data", "chat.jsonl", "--full"), "model type transformers does not know"),
-        (("llama", "--data", "chat.jsonl", "--lora", LORA, "--tp", "2"), "layers.0.self_attn.q_proj"),
+        (("llama", "--data", "chat.jsonl", "--lora", EMB_LORA, "--tp", "2"), "'model.embed_tokens"),
         (("notok", "--data", "chat.jsonl", "--full"), "has no tokenizer.json"),
         (("nochat", "--data", "chat.jsonl", "--full"), "the tokenizer has no chat template"),
         (("llama", "--data", "masked.jsonl", "--full", "--seq-len", "64"), "all its labels masked"),
+        (("badshape", "--data", "chat.jsonl", "--lora", LORA), f"{BAD_TENSOR} (stored as"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_nothing_written(root: Path, args, message) -> None:

@@ -15,6 +15,7 @@ from shardwise.testing import run_on_ranks
 pytest.importorskip("peft")
 LORA = "r=4,alpha=8,dropout=0.0,targets=q_proj,v_proj"
 GPT2_LORA = "r=4,alpha=8,dropout=0.0,targets=c_attn"
+TP_LORA = "r=4,alpha=8,dropout=0.0,targets=q_proj,k_proj,v_proj,o_proj,up_proj,down_proj,lm_head"
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +55,31 @@ def test_full_finetune_dp1_tp2_equals_transformers(dirs) -> None:
     assert got[0] == pytest.approx(want, rel=1e-5)
 
 
-def test_lora_under_tp_is_refused_in_one_line(dirs) -> None:
+def test_lora_dp1_tp2_equals_transformers(dirs) -> None:
+    """Adapters on every split layer of the plan: A whole and B column-split on q, k, v, gate
+    and up; A row-split and B whole on o and down; lm_head's B split and gathered."""
+    args = (str(dirs["llama"]), str(dirs["chat"]), TP_LORA)
+    got = run_on_ranks(2, fc.engine_losses, *args, tp=2, zero=0, accum=4, timeout_s=300)
+    want, _ = fc.reference_losses(*args, dp=1, accum=4)
+    assert got[0] == got[1]
+    assert got[0] != pytest.approx(got[0][0])
+    assert got[0] == pytest.approx(want, rel=1e-5)
+
+
+def test_lora_dp2_tp2_zero3_equals_transformers(dirs) -> None:
+    args = (str(dirs["llama"]), str(dirs["prompt"]), TP_LORA)
+    got = run_on_ranks(4, fc.engine_losses, *args, tp=2, zero=3, timeout_s=300)
+    want, _ = fc.reference_losses(*args, dp=2)
+    assert all(g == got[0] for g in got)
+    assert got[0] == pytest.approx(want, rel=1e-5)
+
+
+def test_lora_on_the_vocab_embedding_under_tp_is_refused_in_one_line(dirs) -> None:
     from shardwise.testing import RankError
 
-    with pytest.raises(RankError, match="--lora with --tp is not supported"):
-        run_on_ranks(2, fc.engine_losses, str(dirs["llama"]), str(dirs["prompt"]), LORA, tp=2)
+    lora = "r=4,alpha=8,dropout=0.0,targets=embed_tokens,q_proj"
+    with pytest.raises(RankError, match="'model.embed_tokens' carries LoRA adapters, but its "):
+        run_on_ranks(2, fc.engine_losses, str(dirs["llama"]), str(dirs["prompt"]), lora, tp=2)
 
 
 def test_lora_at_zero1_equals_transformers(dirs) -> None:

@@ -74,6 +74,18 @@ def test_lora_adapter_and_merged(tmp_path):
     assert not any("lora" in n or "base_layer" in n for n in results[0]["merged"])
 
 
+def test_lora_adapter_and_merged_from_dp2_tp2(tmp_path):
+    """Adapters split over tp (B of q, v and the vocabulary-padded lm_head column-split, A of
+    o and down row-split) are joined on export: the adapter and the merged model reload with
+    the engine's logits."""
+    pytest.importorskip("peft")
+    targets = ("q_proj", "v_proj", "o_proj", "down_proj", "lm_head")
+    results = run_on_ranks(4, ec.export_lora, 3, str(tmp_path), 2, targets, timeout_s=300)
+    # 2 layers x 4 modules x (A, B) + lm_head's pair
+    assert len(results[0]["adapter"]) == 18
+    assert not any("lora" in n or "base_layer" in n for n in results[0]["merged"])
+
+
 def test_checkpoint_export_hf_cli(tmp_path):
     import subprocess
     import sys

@@ -76,12 +76,17 @@ def train_pair(model, ref, tp, data, loss_fn, steps_checked_grads=1):
         opt.zero_grad()
         ref_opt.zero_grad()
         losses.append(loss.item())
+    check_full_state(tp, ref, len(data))
+    return losses
+
+
+def check_full_state(tp: swtp.TensorParallel, ref: torch.nn.Module, steps: int) -> None:
+    """The tp model's full state dict equals the reference's after ``steps`` steps."""
     full, want = tp.full_state_dict(), ref.state_dict()
     assert full.keys() == want.keys()
     for k in want:
         assert full[k].shape == want[k].shape, k  # the padding does not show
-        _close(full[k], want[k], f"{k} after {len(data)} steps")
-    return losses
+        _close(full[k], want[k], f"{k} after {steps} steps")
 
 
 def _gpt_loss(model, x, y):

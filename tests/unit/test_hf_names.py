@@ -141,3 +141,33 @@ def test_two_stored_names_for_one_model_name_are_refused(tmp_path):
     with open_weights(tmp_path) as source, pytest.raises(WeightsError) as exc:
         map_names(model_spec(model), source, strict=False)
     assert "'model.norm.weight'" in str(exc.value) and "'norm.weight'" in str(exc.value)
+
+
+def test_a_mismatch_names_the_file_holding_the_tensor(tmp_path):
+    model = hm.tiny_llama()
+    hm.save(model, tmp_path, "20KB")  # shards: the index is not the file at fault
+    with open_weights(tmp_path) as source:
+        spec = model_spec(model)
+        bad = spec.tensors["model.norm.weight"]._replace(shape=(31,))
+        spec.tensors["model.norm.weight"] = bad
+        holder = source.info("model.norm.weight").file.name
+        with pytest.raises(WeightsError) as err:
+            map_names(spec, source)
+    assert f"model.norm.weight (stored as 'model.norm.weight' in {holder} [32]" in str(err.value)
+
+
+def test_a_stage_maps_its_own_names_and_leaves_the_others(tmp_path):
+    import dataclasses
+
+    model = hm.tiny_llama()
+    hm.save(model, tmp_path)
+    full = model_spec(model)
+    mine = {n: t for n, t in full.tensors.items() if n.startswith("model.layers.0.")}
+    spec = dataclasses.replace(full, tensors=mine, elsewhere=frozenset(full.tensors) - set(mine))
+    with open_weights(tmp_path) as source:
+        mapping = map_names(spec, source, strict=True)  # the rest are another stage's
+        assert mapping.complete and set(mapping.source_of) == set(mine)
+        # a stored name no stage has is still unexpected
+        narrow = dataclasses.replace(spec, elsewhere=spec.elsewhere - {"lm_head.weight"})
+        with pytest.raises(WeightsError, match=r"unexpected 1: lm_head\.weight"):
+            map_names(narrow, source, strict=True)

@@ -109,8 +109,9 @@ def _finetune_options(args: argparse.Namespace) -> Any:
 
 
 def _check_inputs(ft: Any, data: str, seq_len: int | None, tp: int) -> tuple[int, list[str]]:
-    """Read and check the model directory, tokenizer, data and LoRA targets as the ranks will;
-    returns the sequence length and the decoder layer classes."""
+    """Read and check the model directory (its weights' headers against the model's names,
+    shapes and dtypes), tokenizer, data and LoRA targets as the ranks will, before anything is
+    written; returns the sequence length and the decoder layer classes."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -118,7 +119,7 @@ def _check_inputs(ft: Any, data: str, seq_len: int | None, tp: int) -> tuple[int
     from shardwise.finetune.model import check_model_dir, decoder_layer_classes, load_tokenizer
     from shardwise.finetune.options import DEFAULT_SEQ_LEN
     from shardwise.finetune.pipeline import load_training_data
-    from shardwise.finetune.setup import lora_tp_refusal
+    from shardwise.finetune.setup import check_base_weights, check_lora_under_tp, tp_plan_of
 
     config = check_model_dir(Path(ft.model_dir))
     context = getattr(config, "max_position_embeddings", None) or DEFAULT_SEQ_LEN
@@ -133,10 +134,11 @@ def _check_inputs(ft: Any, data: str, seq_len: int | None, tp: int) -> tuple[int
         load_training_data(ft.eval_data, tok, **kw)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    check_base_weights(model, Path(ft.model_dir))
     if ft.lora_spec is not None:
         check_targets(model, ft.lora_spec)
         if tp > 1:
-            raise ValueError(lora_tp_refusal(model, ft.lora_spec))
+            check_lora_under_tp(model, ft.lora_spec, tp_plan_of(config, tp))
     return seq_len, decoder_layer_classes(model)
 
 

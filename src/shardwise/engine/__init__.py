@@ -5,7 +5,7 @@
 what it holds, ``param_access`` reads and writes whole parameters behind the shards;
 ``materialize`` starts a model built on the meta device, ``pretrained`` streams a checkpoint
 in, each rank reading what it keeps (``targets``: where that goes).
-``initialize`` picks the engine for a model (a ``PipelineModule`` gets the pipeline engine).
+``initialize`` picks the engine for a model (a ``PipelineModule`` gets ``pipeline``'s engine).
 """
 
 from shardwise.engine.core import Engine, SchedulerFactory

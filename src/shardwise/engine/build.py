@@ -51,10 +51,14 @@ def resolve_dp(group: Group | Mesh) -> Group:
 
 
 def check_model(model: nn.Module) -> torch.device:
-    """The one device of the model's parameters and buffers."""
+    """The one device of the model's parameters and buffers (meta: every parameter is on the
+    meta device; its buffers may be real already, computed before a pipeline split)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+    devices = {p.device for p in model.parameters()}
+    if devices == {torch.device("meta")}:
+        return torch.device("meta")
+    devices |= {b.device for b in model.buffers()}
     if not devices:
         raise ValueError("the model has no parameters to train")
     if len(devices) > 1:

@@ -14,10 +14,10 @@ from shardwise.comm.groups import Group
 from shardwise.config import Config
 from shardwise.engine.core import Engine, SchedulerFactory
 from shardwise.engine.materialize import InitFn, fill_engine
+from shardwise.engine.pipeline import PipelineEngine, check_pipeline_config
 from shardwise.engine.pretrained import Source, load_pretrained
 from shardwise.mesh import Mesh
 from shardwise.parallel.parallelize import Parallelized
-from shardwise.parallel.pipeline.engine import PipelineEngine, check_pipeline_config
 from shardwise.parallel.pipeline.stage import PipelineModule
 from shardwise.parallel.placement import Placement
 from shardwise.recompute import apply_activation_checkpointing
@@ -74,10 +74,12 @@ def initialize(
             ``shardwise.engine.materialize``.
 
     A model on the meta device is accepted at every stage and layout: each rank allocates only
-    what it keeps (at ZeRO-3 its shards) and fills it from ``weights`` or module by module.
+    what it keeps (at ZeRO-3 its shards) and fills it from ``weights`` or module by module. A
+    load or initialization that fails on one rank raises on every rank.
 
     Communicates: one all_gather of 8 bytes per rank (the structure check), broadcasts of every
-    parameter and buffer from the group's first rank (a meta model: of the buffers only).
+    parameter and buffer from the group's first rank (a meta model: of the buffers only); with
+    ``weights`` or a meta model, one all_gather_object of the load's outcome over every rank.
     """
     if isinstance(model, Parallelized):
         if group is not None and group is not model.mesh:

@@ -251,13 +251,20 @@ def fill_engine(
 ) -> None:
     """Give a deferred engine's kept pieces their values: from ``weights`` (a source for
     ``engine.pretrained.open_source``; in lenient mode, what it lacks is initialized), else by
-    initializing module by module. Communicates nothing.
+    initializing module by module. Communicates: one all_gather_object over every rank
+    (``pretrained.on_every_rank``), so a failure on one rank raises on all.
 
     Raises:
-        ValueError (on every rank alike: it depends on names only): naming the parameters
-            nothing filled.
+        ValueError: naming the parameters nothing filled; WeightsError: naming the file and
+            tensor at fault; on every rank.
     """
     from shardwise.engine import pretrained  # the loader imports the engine's parts
+
+    pretrained.on_every_rank(engine, lambda: _fill(engine, weights, init_fn, strict))
+
+
+def _fill(engine: Any, weights: Any, init_fn: InitFn | None, strict: bool) -> None:
+    from shardwise.engine import pretrained
 
     module = engine.module
     targets = ParamTargets(module, engine._where, engine.placements)

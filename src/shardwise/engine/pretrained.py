@@ -8,7 +8,9 @@ lists them). For each parameter the rank reads the part of its local tensor it k
 its flat shard range, which may start and end inside a row; under tp its slice of the whole
 tensor from the placement's split dims, vocabulary padding left zero; both at once when
 combined), in boxes of at most a third of the largest tensor, converted to the dtype it is kept
-in on copy (bf16 on disk into fp32 masters without a full-size copy).
+in on copy (bf16 on disk into fp32 masters without a full-size copy). A pipeline stage (built
+by ``shardwise.parallelize``) is matched under the whole model's names, each stage reading its
+own tensors. The ranks then agree on the outcome: a failure on any rank raises on all.
 """
 
 from __future__ import annotations
@@ -16,23 +18,36 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from shardwise.checkpoint.entries import flat_range_boxes
 from shardwise.checkpoint.layout import MANIFEST_NAME
+from shardwise.comm import objects
+from shardwise.comm.groups import Group
 from shardwise.engine.memory import InitPeak
 from shardwise.engine.targets import ParamTargets, Target
-from shardwise.hf import CheckpointWeights, NameMapping, map_names, model_spec, open_weights
+from shardwise.hf import (
+    CheckpointWeights,
+    ModelSpec,
+    NameMapping,
+    WeightsError,
+    map_names,
+    model_spec,
+    open_weights,
+)
+from shardwise.mesh import AXIS_ORDER
+from shardwise.parallel.pipeline.stage import PipelineModule
 from shardwise.parallel.placement import Placement
 
 log = logging.getLogger("shardwise.checkpoint")
 
 Source = Any  # a SafetensorsSource or CheckpointWeights: names, shape, dtype, read_box, origin
 
-__all__ = ["Source", "load_pretrained", "open_source", "stream_into"]
+__all__ = ["Source", "load_pretrained", "on_every_rank", "open_source", "stream_into"]
 
 
 def open_source(weights: Path | str | Source) -> Source:
@@ -53,7 +68,9 @@ def mapping_for(
     module: torch.nn.Module, targets: ParamTargets, source: Source, strict: bool
 ) -> NameMapping:
     """The model's names mapped onto ``source``'s, with each parameter's whole (unsplit)
-    shape."""
+    shape. A pipeline stage is matched under the whole model's names (``plain_names``), the
+    other stages' tensors neither loaded nor unexpected; the mapping is keyed by the stage's
+    own names."""
     spec = model_spec(module)
     whole = {id(t.param): t.placement.full_shape for t in targets}
     state = module.state_dict(keep_vars=True)
@@ -61,7 +78,38 @@ def mapping_for(
         n: s._replace(shape=tuple(whole.get(id(state[n]), s.shape)))
         for n, s in spec.tensors.items()
     }
-    return map_names(dataclasses.replace(spec, tensors=tensors), source, strict)
+    spec = dataclasses.replace(spec, tensors=tensors)
+    plain = module.plain_names if isinstance(module, PipelineModule) else {}
+    if not plain:
+        return map_names(spec, source, strict)
+    return _stage_mapping(spec, plain, source, strict)
+
+
+def _stage_mapping(
+    spec: ModelSpec, plain: dict[str, str], source: Source, strict: bool
+) -> NameMapping:
+    """``map_names`` for one pipeline stage under the whole model's names; a tied module's
+    copies on several stages each read the one stored tensor."""
+    unnamed = [n for n in spec.tensors if n not in plain]
+    if unnamed:
+        raise ValueError(
+            f"pipeline tensors {unnamed[:5]} have no name in the whole model: build the "
+            f"pipeline with shardwise.parallelize (which records the names) to load weights"
+        )
+    own = {plain[n]: t._replace(name=plain[n]) for n, t in spec.tensors.items()}
+    renamed = dataclasses.replace(
+        spec,
+        tensors=own,
+        tied={plain[a]: plain[b] for a, b in spec.tied.items() if plain[a] != plain[b]},
+        buffers=frozenset(plain.get(n, n) for n in spec.buffers),
+        elsewhere=frozenset(plain.values()) - set(own),
+    )
+    found = map_names(renamed, source, strict)
+    stage = {n: plain[n] for n in spec.tensors}
+    return dataclasses.replace(
+        found,
+        source_of={n: found.source_of[p] for n, p in stage.items() if p in found.source_of},
+    )
 
 
 def read_local(
@@ -160,11 +208,48 @@ def load_pretrained(
     """Load ``weights`` into ``engine`` (any engine, right after ``initialize``), each rank
     reading only the pieces of every tensor it keeps (see the module docstring); call on every
     rank. Lenient (``strict=False``): parameters the source lacks keep their values, and the
-    mapping returned lists them. Optimizer states are untouched. Communicates nothing.
+    mapping returned lists them. Optimizer states are untouched. Communicates: see
+    ``on_every_rank``.
 
     Raises:
-        WeightsError: naming the file and tensor at fault (a strict mismatch, a damaged file).
+        WeightsError: on every rank, naming the file and tensor at fault (a strict mismatch, a
+            damaged file), as raised on the first rank that found it.
     """
-    targets = ParamTargets(engine.module, engine._where, engine.placements)
-    with open_source(weights) as source:
-        return stream_into(engine.module, targets, source, strict, engine.init_peak)
+
+    def load() -> NameMapping:
+        targets = ParamTargets(engine.module, engine._where, engine.placements)
+        with open_source(weights) as source:
+            return stream_into(engine.module, targets, source, strict, engine.init_peak)
+
+    return on_every_rank(engine, load)
+
+
+_T = TypeVar("_T")
+
+
+def on_every_rank(engine: Any, fn: Callable[[], _T]) -> _T:
+    """``fn()`` (a load, which communicates nothing) on every rank of ``engine``, then raise on
+    every rank if it raised on any: the ranks that failed re-raise their own error, the others
+    a ``WeightsError`` quoting the first failed rank's. A rank may fail alone (a pipeline stage
+    checks its own tensors, a rank reads only its own pieces); without this the others would
+    go on and wait for it in their first collective.
+
+    Communicates: one all_gather_object over every rank of the engine (its mesh, else its dp
+    group)."""
+    mesh = engine.mesh
+    everyone: Group = engine.dp_group if mesh is None else mesh.group(*AXIS_ORDER)
+    failure: Exception | None = None
+    result = None
+    try:
+        result = fn()
+    except Exception as exc:  # any failure: the other ranks must not be left waiting
+        failure = exc
+    said = None if failure is None else f"{type(failure).__name__}: {failure}"
+    every = objects.all_gather_object(said, group=everyone)
+    if failure is not None:
+        raise failure
+    failed = [(r, m) for r, m in zip(everyone.ranks, every) if m is not None]
+    if failed:
+        rank, message = failed[0]
+        raise WeightsError(f"loading the weights failed on rank {rank} ({message})")
+    return result  # type: ignore[return-value]

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from shardwise.parallel.placement import Placement
 
 
 @dataclass(frozen=True)
@@ -108,15 +110,24 @@ def _adapter_parts(model: nn.Module) -> dict[int, tuple[str, bool]]:
     return out
 
 
-def init_adapter(weight: torch.Tensor, name: str, is_a: bool, seed: int) -> None:
+def init_adapter(
+    weight: torch.Tensor, name: str, is_a: bool, seed: int, placement: Placement | None = None
+) -> None:
     """peft's default init for one adapter weight: A Kaiming-uniform (a = sqrt 5, drawn from a
-    generator seeded by ``seed`` and the module's name), B zero: the model starts as the base."""
+    generator seeded by ``seed`` and the module's name), B zero: the model starts as the base.
+    With a ``placement`` that splits it, ``weight`` is this rank's piece: the whole is drawn
+    and the piece kept, so every layout starts alike."""
     with torch.no_grad():
         if not is_a:
             weight.zero_()
             return
         gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=gen)
+        if placement is None or not placement.shards:
+            nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=gen)
+            return
+        full = torch.empty(placement.full_shape, dtype=weight.dtype)
+        nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=gen)
+        weight.copy_(placement.shard_of(full))
 
 
 def init_adapters(model: nn.Module, seed: int) -> None:
@@ -129,18 +140,22 @@ def init_adapters(model: nn.Module, seed: int) -> None:
             init_adapter(m.weight, *found, seed)
 
 
-def adapter_init_fn(model: nn.Module, seed: int) -> Callable[[nn.Module], None]:
+def adapter_init_fn(
+    model: nn.Module, seed: int, placements: Mapping[str, Placement] | None = None
+) -> Callable[[nn.Module], None]:
     """An ``init_fn`` for ``shardwise.initialize`` of a LoRA model built on the meta device:
-    adapters as ``init_adapter``, every other module by the base model's ``_init_weights``
+    adapters as ``init_adapter`` (``placements``: the parallelized model's, by parameter name,
+    for adapters split over tp), every other module by the base model's ``_init_weights``
     (its buffers; its weights come from the model directory)."""
     parts = _adapter_parts(model)
     base_init = getattr(model, "_init_weights", None)
+    where = placements or {}
 
     def init(module: nn.Module) -> None:
         found = parts.get(id(module))
         if found is not None:
             assert isinstance(module, nn.Linear)
-            init_adapter(module.weight, *found, seed)
+            init_adapter(module.weight, *found, seed, where.get(f"{found[0]}.weight"))
         elif callable(base_init):
             base_init(module)
 

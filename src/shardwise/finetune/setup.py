@@ -1,12 +1,13 @@
 """A rank's fine-tuning model: the directory's model built on the meta device (no rank holds
 it whole), LoRA or not, with the mesh's parallelisms applied (tensor parallelism by the model
-type's plan). ``shardwise.initialize(..., **fm.initialize_kwargs())`` then allocates only what
-each rank keeps and streams those pieces from the model directory; ZeRO over dp comes there.
+type's plan, LoRA adapters on a split layer split to match it).
+``shardwise.initialize(..., **fm.initialize_kwargs())`` then allocates only what each rank
+keeps and streams those pieces from the model directory; ZeRO over dp comes there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,12 +16,14 @@ import torch
 
 from shardwise import hf
 from shardwise.engine.materialize import deferred_init
-from shardwise.finetune.base_weights import open_base_weights
+from shardwise.finetune.base_weights import PEFT_PREFIX, open_base_weights
 from shardwise.finetune.lora import LoraSpec, adapter_init_fn, apply_lora
 from shardwise.finetune.model import build_model, check_model_dir, decoder_layer_classes
 from shardwise.mesh import Mesh
 from shardwise.parallel import plans
 from shardwise.parallel.parallelize import Parallelized, ParallelPlan, parallelize
+from shardwise.parallel.tensor.adapters import style_refusal
+from shardwise.parallel.tensor.plan import resolve
 
 TP_PLANS = {"llama": plans.llama.tp_plan}
 """Model types with a tensor-parallel plan (``--tp`` refuses the others)."""
@@ -55,16 +58,27 @@ class FinetuneModel:
         return {"weights": weights, "strict": self.lora is None, "init_fn": self.init_fn}
 
 
-def lora_tp_refusal(model: torch.nn.Module, lora: LoraSpec) -> str:
-    """The one line refusing LoRA under tensor parallelism, naming the first adapted layer."""
-    first = next(
-        (n for n, _ in model.named_modules() if any(n.endswith("." + t) for t in lora.targets)),
-        ", ".join(lora.targets),
-    )
-    return (
-        f"--lora with --tp is not supported yet: the adapted layer {first} is split over tp; "
-        "use --tp 1 with --lora, or --full with --tp"
-    )
+def check_lora_under_tp(model: torch.nn.Module, lora: LoraSpec, plan: Mapping[str, str]) -> None:
+    """Raise ``ValueError`` in one line naming the first layer that ``lora`` adapts but the
+    tensor-parallel ``plan`` gives a style that cannot split adapters (a vocabulary
+    embedding): ``model`` is the plain model (a meta one is fine), before peft."""
+    for name, style in resolve(model, plan).items():
+        if any(name == t or name.endswith("." + t) for t in lora.targets):
+            refusal = style_refusal(name, style)
+            if refusal is not None:
+                raise ValueError(refusal)
+
+
+def tp_plan_of(config: Any, tp_size: int) -> dict[str, str]:
+    """The tensor-parallel plan of the model type of ``config``; ``ValueError`` in one line
+    for a model type without one."""
+    plan_of = TP_PLANS.get(config.model_type)
+    if plan_of is None:
+        raise ValueError(
+            f"--tp {tp_size}: model type {config.model_type!r} has no tensor-parallel "
+            f"plan (plans exist for {', '.join(TP_PLANS)}); use --tp 1"
+        )
+    return plan_of()
 
 
 def check_base_weights(model: torch.nn.Module, model_dir: Path) -> None:
@@ -86,20 +100,13 @@ def build_finetune_model(
         model = build_model(config, seed)
     check_base_weights(model, model_dir)
     wrap = decoder_layer_classes(model)
-    init_fn = None
+    tensor = tp_plan_of(config, mesh.tp_size) if mesh.tp_size > 1 else None
     if lora is not None:
-        if mesh.tp_size > 1:
-            raise ValueError(lora_tp_refusal(model, lora))
+        if tensor is not None:
+            check_lora_under_tp(model, lora, tensor)
+            # the plan names the plain model's modules; peft nests the model under a prefix
+            tensor = {PEFT_PREFIX + k: v for k, v in tensor.items()}
         model = apply_lora(model, lora)
-        init_fn = adapter_init_fn(model, seed)
-    tensor = None
-    if mesh.tp_size > 1:
-        plan_of = TP_PLANS.get(config.model_type)
-        if plan_of is None:
-            raise ValueError(
-                f"--tp {mesh.tp_size}: model type {config.model_type!r} has no tensor-parallel "
-                f"plan (plans exist for {', '.join(TP_PLANS)}); use --tp 1"
-            )
-        tensor = plan_of()
     built = parallelize(model, mesh, ParallelPlan(tensor=tensor))
+    init_fn = None if lora is None else adapter_init_fn(built.module, seed, built.placements)
     return FinetuneModel(built, model.config, lora, wrap, model_dir, init_fn)

@@ -65,6 +65,9 @@ class ModelSpec:
     """Regexes of stored names that are dropped without being reported."""
     buffers: frozenset[str] = frozenset()
     """Every buffer name, persistent or not: stored ones the model does not load are ignored."""
+    elsewhere: frozenset[str] = frozenset()
+    """Names of the whole model held by other processes (another pipeline stage's): stored
+    ones are neither loaded here nor unexpected."""
 
 
 def model_spec(model: nn.Module) -> ModelSpec:
@@ -106,11 +109,14 @@ class Mismatch(NamedTuple):
     source_name: str
     stored: tuple[tuple[int, ...], torch.dtype]
     expected: tuple[tuple[int, ...], torch.dtype]
+    file: Path | None = None
+    """The file holding the stored tensor, when the source tells."""
 
     def describe(self) -> str:
         (s_shape, s_dtype), (e_shape, e_dtype) = self.stored, self.expected
+        where = f" in {self.file.name}" if self.file is not None else ""
         return (
-            f"{self.name} (stored as {self.source_name!r} {list(s_shape)} {s_dtype}, "
+            f"{self.name} (stored as {self.source_name!r}{where} {list(s_shape)} {s_dtype}, "
             f"model has {list(e_shape)} {e_dtype})"
         )
 
@@ -209,7 +215,8 @@ def _ignored(key: str, spec: ModelSpec) -> bool:
     bare = key.removeprefix(PEFT_PREFIX)
     prefix = f"{spec.base_model_prefix}." if spec.base_model_prefix else ""
     names = {key, bare, prefix + bare, bare.removeprefix(prefix) if prefix else bare}
-    return bool(names & spec.buffers) or any(re.search(p, key) for p in spec.ignore_unexpected)
+    skipped = spec.buffers | spec.elsewhere
+    return bool(names & skipped) or any(re.search(p, key) for p in spec.ignore_unexpected)
 
 
 def _fill_tied(spec: ModelSpec, source_of: dict[str, str]) -> dict[str, str]:
@@ -234,7 +241,14 @@ def _mismatch(spec: ModelSpec, source: WeightCatalog, name: str, key: str) -> Mi
     shape, dtype = tuple(source.shape(key)), source.dtype(key)
     if shape == want.shape and dtype.is_floating_point == want.dtype.is_floating_point:
         return None
-    return Mismatch(name, key, (shape, dtype), (want.shape, want.dtype))
+    return Mismatch(name, key, (shape, dtype), (want.shape, want.dtype), _file_of(source, key))
+
+
+def _file_of(source: WeightCatalog, key: str) -> Path | None:
+    """The file holding stored tensor ``key``, for sources that tell (safetensors)."""
+    info = getattr(source, "info", None)
+    file = getattr(info(key), "file", None) if callable(info) else None
+    return Path(file) if isinstance(file, (str, Path)) else None
 
 
 def _listed(what: str, items: list[str]) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.engine import materialize
 from shardwise.mesh import Mesh
 from shardwise.parallel.context import ContextParallel, apply_context_parallel
 from shardwise.parallel.pipeline.stage import Entry, PipelineModule, Tied
@@ -120,6 +121,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Parallelize
     module, names = model, {}
     if plan.pipeline is not None:
         split = plan.pipeline
+        compute_meta_buffers(model)
         entries = list(split.layers(model))
         names = pipeline_names(model, entries)
         module = PipelineModule(
@@ -146,6 +148,16 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Parallelize
         apply_activation_checkpointing(module, list(plan.recompute))
     placements = tensor.placements if tensor is not None else {}
     return Parallelized(module, mesh, placements, tensor, names, context)
+
+
+def compute_meta_buffers(model: nn.Module) -> None:
+    """Give a model built on the meta device real buffers (rotary tables, masks) by its own
+    initialization, before a pipeline split: a stage is not the model, so the model's
+    initialization (a Hugging Face model's ``_init_weights``) no longer reaches them after it;
+    buffers are small, and parameters stay on the meta device."""
+    if any(b.is_meta for b in model.buffers()):
+        init = materialize.init_plan(model, None)
+        materialize.materialize_buffers(model, init, materialize.target_device())
 
 
 def _context(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> ContextParallel | None:

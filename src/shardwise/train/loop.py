@@ -19,8 +19,8 @@ import shardwise
 from shardwise.comm import World, objects, ops
 from shardwise.data import DistributedBatchSampler, load_corpus
 from shardwise.engine.core import Engine
+from shardwise.engine.pipeline import PipelineEngine
 from shardwise.mesh import Axis
-from shardwise.parallel.pipeline.engine import PipelineEngine
 from shardwise.train import checkpoints
 from shardwise.train.lr_schedule import lr_at
 from shardwise.train.metrics import MetricsWriter, read_metrics

@@ -282,6 +282,8 @@ class PipelineModule(nn.Module):
         for key, g in self._tied_groups.items():
             with torch.no_grad():
                 for p in self.tied[key].parameters():
+                    if p.is_meta:  # a model built on the meta device: every holder loads its copy
+                        continue
                     ops.broadcast(p.data, src=g.ranks[0], group=g)
 
     def reduce_tied_grads(

@@ -68,6 +68,14 @@ class Region:
         self._whole[whole] = True
         return whole
 
+    def is_whole(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is a whole sequence gathered by ``enter_whole`` (or marked so)."""
+        return x in self._whole
+
+    def mark_whole(self, x: torch.Tensor) -> None:
+        """Record that ``x`` spans the whole sequence: ``enter`` then takes it as it is."""
+        self._whole[x] = True
+
     def leave(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum partial outputs over tp: all_reduce, or reduce_scatter of dim 1 under SP."""
         if self.sequence_parallel:

@@ -20,6 +20,7 @@ from shardwise.mesh import Axis, Mesh
 from shardwise.parallel.pipeline.stage import PipelineModule
 from shardwise.parallel.placement import Placement, Replicate, Shard
 from shardwise.parallel.tensor import mappings, rng, state
+from shardwise.parallel.tensor.adapters import adapter_dicts, split_off_adapters
 from shardwise.parallel.tensor.entry import SequenceEntries, gather_on_entry
 from shardwise.parallel.tensor.layers import (
     ColumnParallelLinear,
@@ -141,11 +142,15 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name), leaf, new)
 
 
-def _validate(model: nn.Module, styles: dict[str, str], tp_size: int, sp: bool) -> None:
-    """Check the whole plan before anything changes the model."""
+def _validate(
+    model: nn.Module, styles: dict[str, str], tp_size: int, sp: bool, carried: Mapping[str, str]
+) -> None:
+    """Check the whole plan before anything changes the model (``carried``: the LoRA layers,
+    whose adapters are split with their bases)."""
     modules = dict(model.named_modules())
     vocabs = {modules[n].num_embeddings for n, s in styles.items() if s == "vocab_embedding"}
-    covered: set[int] = set()  # parameters sharded, or replicated inside a 'sequence' module
+    # parameters sharded, or replicated inside a 'sequence' module, or adapters split to match
+    covered = {id(p) for n in carried for p in modules[n].parameters()}
     for name, style in styles.items():
         m = modules[name]
         if style in PLACE_STYLES:  # a place in the forward, not a way to hold parameters
@@ -211,6 +216,59 @@ def _apply_linear(tp: TensorParallel, name: str, m: nn.Linear, style: str) -> No
         tp._shard(m.bias, f"{name}.bias", (m.out_features,), 0)
     gather = style == "colwise_gather"
     _replace(tp.model, name, ColumnParallelLinear(m, tp.region, m.out_features, gather))
+
+
+def _apply_adapters(tp: TensorParallel, name: str, layer: nn.Module, style: str) -> None:
+    """Split the adapters of the LoRA layer ``name`` to match its base, already split (see
+    ``adapters``): B column-parallel under a column base, A row-parallel under a row base, the
+    other factor replicated (its gradient partial over tp under sequence parallelism)."""
+    row = style == "rowwise"
+    split, whole = ("lora_A", "lora_B") if row else ("lora_B", "lora_A")
+    dicts = adapter_dicts(layer)
+    for key in list(dicts["lora_A"]):
+        factor = dicts[split][key]
+        assert isinstance(factor, nn.Linear), "check_carriable admits linear adapters only"
+        _apply_linear(tp, f"{name}.{split}.{key}", factor, style)
+        for pname, p in dicts[whole][key].named_parameters(f"{name}.{whole}.{key}"):
+            tp._replicate(p, pname, partial=tp.sequence_parallel)
+        if tp.tp_size == 1:
+            continue
+        drop = dicts["lora_dropout"][key]
+        if isinstance(drop, nn.Dropout) and drop.p > 0 and (row or tp.sequence_parallel):
+            _fork_unless_whole(drop, tp, row)
+        if not row and tp.sequence_parallel:
+            _carry_whole(layer, dicts["lora_A"][key], tp.region)
+
+
+def _fork_unless_whole(drop: nn.Module, tp: TensorParallel, row: bool) -> None:
+    """The dropout before A draws from this rank's stream when its input differs per rank:
+    this rank's features (a row base), or under SP this rank's tokens (a column base outside
+    a ``whole_sequence`` module); before a whole A on the same input, every rank's mask is
+    the same (the replicated stream)."""
+    hooks = rng.ForkOnForward(tp.tp_rank)
+
+    def pre(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        if row or not tp.region.is_whole(args[0]):
+            hooks.pre(module, args)
+
+    drop.register_forward_pre_hook(pre)
+    drop.register_forward_hook(hooks.post, always_call=True)
+
+
+def _carry_whole(layer: nn.Module, lora_a: nn.Module, region: Region) -> None:
+    """Under SP, A's output is whole when the layer's input is (inside a ``whole_sequence``
+    module): B's entry then takes it as it is, as the base's does with the input."""
+    whole = [False]
+
+    def pre(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        whole[0] = region.is_whole(args[0])
+
+    def post(module: nn.Module, args: object, out: torch.Tensor) -> None:
+        if whole[0]:
+            region.mark_whole(out)
+
+    layer.register_forward_pre_hook(pre)
+    lora_a.register_forward_hook(post)
 
 
 def _apply_embedding(tp: TensorParallel, name: str, m: nn.Embedding) -> None:
@@ -279,6 +337,10 @@ def parallelize(
         sequence_parallel: run ``sequence`` modules on 1/tp of the sequence (dim 1 of
             ``[batch, seq, hidden]`` activations); the sequence length must divide by tp.
 
+    A peft LoRA layer named by a linear style is split with its adapters (see
+    ``shardwise.parallel.tensor.adapters``): its base as the style says, B column-split under a
+    column-parallel base, A row-split under a row-parallel base, the other factor replicated.
+
     A ``PipelineModule`` is split stage by stage under its own names (``layers.{i}.*`` by
     global layer index, ``tied.{key}.*``): each pp rank applies the plan to the layers it
     holds, and a pattern need only match on some stage.
@@ -288,15 +350,16 @@ def parallelize(
     see 1/tp of the tokens: a gradient hook all-reduces each one's gradient over tp in every
     backward, so nothing is owed at step time.
     Raises ``ValueError``/``TypeError`` naming the module for a pattern matching nothing, a
-    dimension that does not divide by tp (other than a vocabulary), or a module whose type does
-    not fit its style. Communicates nothing (a ``PipelineModule``: one all_gather_object over
-    pp of the patterns matching nothing on each stage: two all_gathers).
+    dimension that does not divide by tp (other than a vocabulary), a module whose type does
+    not fit its style, or LoRA adapters on a layer whose style cannot split them.
+    Communicates nothing (a ``PipelineModule``: one all_gather_object over pp of the patterns
+    matching nothing on each stage: two all_gathers).
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a shardwise Mesh, got {type(mesh).__name__}")
-    styles = _resolve(model, mesh, plan)
-    _validate(model, styles, mesh.tp_size, bool(sequence_parallel))
     modules = dict(model.named_modules())
+    styles, carried = split_off_adapters(modules, _resolve(model, mesh, plan))
+    _validate(model, styles, mesh.tp_size, bool(sequence_parallel), carried)
     tp = TensorParallel(model, mesh, bool(sequence_parallel))
     entry_names = [n for n, s in styles.items() if s == "sequence_entry"]
     if entry_names and tp.sequence_parallel and tp.tp_size > 1:
@@ -316,5 +379,7 @@ def parallelize(
             _apply_sequence(tp, name, module)
         else:
             _apply_linear(tp, name, module, style)
+    for name, style in carried.items():
+        _apply_adapters(tp, name, modules[name], style)
     _replicate_rest(tp)
     return tp

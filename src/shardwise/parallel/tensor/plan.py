@@ -12,6 +12,8 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from shardwise.parallel.tensor.adapters import base_of
+
 STYLES = (
     "colwise",
     "rowwise",
@@ -66,6 +68,7 @@ def _check_types(plan: object) -> Mapping[str, str]:
 
 
 def _check_module(name: str, module: nn.Module, style: str) -> None:
+    module = base_of(module)  # a LoRA layer: the style splits its base (and its adapters)
     if style in LINEAR_STYLES and not isinstance(module, nn.Linear):
         raise TypeError(
             f"module {name!r} is a {type(module).__name__}; style {style!r} needs an nn.Linear"
