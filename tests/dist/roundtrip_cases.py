@@ -140,7 +140,8 @@ def build(kind: str, layout: str, model_dir: str):  # type: ignore[no-untyped-de
     assert layout == "pp2", layout
     mesh = Mesh(pp=2, dp=1)
     split = PipelineSplit(LAYERS[kind], _shifted_loss, "uniform")
-    par = shardwise.parallelize(meta, mesh, ParallelPlan(pipeline=split))
+    # the stages stay on the meta device: the weights stream into ZeRO's pieces
+    par = shardwise.parallelize(meta, mesh, ParallelPlan(pipeline=split), keep_meta=True)
     cfg = shardwise.Config(zero_stage=0, pipeline_microbatches=2)
     return shardwise.initialize(par, _adamw, cfg, weights=model_dir)
 

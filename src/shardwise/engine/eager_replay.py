@@ -233,6 +233,7 @@ def record_replay(
         for i, step in enumerate(steps):
             with step_scratch(step, scratch, torch.device("meta")) as held:
                 for m, made, originals in held:
+                    record.keep(made.values())  # named by storage: no address may be reused
                     for key, real in made.items():
                         if holder[id(originals[key])] is m:
                             record.names[storage(real)] = first[id(originals[key])]

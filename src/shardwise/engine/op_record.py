@@ -126,6 +126,11 @@ class OpRecord(TorchDispatchMode):
                 touch.read_first = True
         return written
 
+    def keep(self, tensors: Any) -> None:
+        """Keep ``tensors`` alive while the record is used (meta: they hold no memory), so no
+        storage a name was given to is freed and its address reused by another."""
+        self._alive.append(list(tensors))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)

@@ -98,15 +98,20 @@ class Parallelized:
         return self.module if isinstance(self.module, PipelineModule) else None
 
 
-def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Parallelized:
+def parallelize(
+    model: nn.Module, mesh: Mesh, plan: ParallelPlan, *, keep_meta: bool = False
+) -> Parallelized:
     """Apply ``plan`` to ``model`` over ``mesh``, in order: pipeline split (this pp rank keeps
     its stages), tensor and sequence parallelism, context parallelism, recompute. Pass the
     result to ``shardwise.initialize``.
 
     A model built on the meta device (``shardwise.deferred_init``) with a pipeline split: each
     pp rank makes only its own stages real, initialized as the eager model under the same
-    random state (``PipelineModule``'s ``source``), so no rank allocates another stage's
-    weights. Without a pipeline it stays on the meta device for ``initialize``.
+    random state (``PipelineModule``'s ``materialize``), so no rank allocates another stage's
+    weights. ``keep_meta``: the stages stay on the meta device instead, for
+    ``initialize(..., weights=...)`` to stream into (each rank then holds only its ZeRO
+    shards); without weights the engine would initialize them module by module, not as the
+    eager model. Without a pipeline the model stays on the meta device for ``initialize``.
 
     Raises ``ValueError``/``TypeError`` naming the module or pattern for a plan that does not
     fit the model or the mesh (see ``shardwise.parallel.tensor.parallelize``).
@@ -131,7 +136,7 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Parallelize
             split.partition,
             virtual_stages=split.virtual_stages,
             plain_names=pipeline_names(model, entries, buffers=True),
-            source=model if any(p.is_meta for p in model.parameters()) else None,
+            materialize=None if keep_meta or not _on_meta(model) else _stage_maker(model),
         )
     elif mesh.pp_size > 1:
         raise ValueError(
@@ -148,6 +153,22 @@ def parallelize(model: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Parallelize
         apply_activation_checkpointing(module, list(plan.recompute))
     placements = tensor.placements if tensor is not None else {}
     return Parallelized(module, mesh, placements, tensor, names, context)
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def _stage_maker(model: nn.Module) -> Callable[[nn.Module], None]:
+    """What makes a stage of meta-built ``model`` real: its modules' parameters get the
+    values ``model``'s eager build gives them (``materialize.materialize_kept``), on the
+    default device, where that build would have put them."""
+    device = torch.get_default_device()
+
+    def make(stage: nn.Module) -> None:
+        materialize.materialize_kept(model, stage, None if device.type == "meta" else device)
+
+    return make
 
 
 def compute_meta_buffers(model: nn.Module) -> None:

@@ -186,16 +186,16 @@ class PipelineModule(nn.Module):
             its first index) so the split model starts as the whole one would.
         plain_names: this module's parameter and buffer names -> the unsplit model's
             (``shardwise.parallelize`` records them), for exports under the model's own names.
-        source: the whole model the layers are modules of, built on the meta device
-            (``shardwise.deferred_init``): this rank's layers are made real (on the default
-            device, as an eager build) with the values the eager build gives them
-            (``engine.materialize.materialize_kept``: the whole initialization replayed one
-            module at a time), so no rank ever holds another stage's weights; the rest stays
-            on the meta device. Required when layers are on the meta device.
+        materialize: for layers on the meta device (a model built in
+            ``shardwise.deferred_init``): called with this module once this rank's layers are
+            in it, to make them real (``shardwise.parallelize`` passes one that initializes
+            them as the whole model's eager build would, so no rank ever holds another
+            stage's weights). Without it, meta layers stay on the meta device (for
+            ``shardwise.initialize(..., weights=...)`` to stream into).
 
     Only this rank's entries stay referenced: once the caller drops the whole model, the
     layers of other stages (and tied modules this rank does not use) are freed. Built from a
-    model on the meta device (``source``), they are never allocated at all.
+    model on the meta device, they are never allocated at all.
 
     Communicates at construction: forms one group per tied key and (dp, tp) coordinate (all
     ranks, collectively) and broadcasts each tied module from its first holder.
@@ -211,7 +211,7 @@ class PipelineModule(nn.Module):
         virtual_stages: int = 1,
         seed: int | None = None,
         plain_names: Mapping[str, str] | None = None,
-        source: nn.Module | None = None,
+        materialize: Callable[[nn.Module], None] | None = None,
     ) -> None:
         super().__init__()
         entries = check_entries(layers)
@@ -234,26 +234,10 @@ class PipelineModule(nn.Module):
         self._tied_first = first_indices(entries)
         for i in mine:
             build_entry(entries, i, self.layers, self.tied, self._tied_first, seed)
-        self._make_real(source)
+        if materialize is not None and any(p.is_meta for p in self.parameters()):
+            materialize(self)
         self._tied_groups = self._form_tied_groups()
         self._broadcast_tied()
-
-    def _make_real(self, source: nn.Module | None) -> None:
-        """This rank's meta layers made real from ``source``'s initialization."""
-        meta = [n for n, p in self.named_parameters() if p.is_meta]
-        if not meta:
-            return
-        if source is None:
-            raise ValueError(
-                f"pipeline layers on the meta device ({meta[0]!r}, ...) need the model they "
-                f"come from: PipelineModule(..., source=model), model built in "
-                f"shardwise.deferred_init()"
-            )
-        from shardwise.engine.materialize import materialize_kept  # the engine imports this module
-
-        # where an eager build would have put them (the default device), drawn there alike
-        device = torch.get_default_device()
-        materialize_kept(source, self, None if device.type == "meta" else device)
 
     def stage_of_layer(self, i: int) -> int:
         return next(s for s in range(self.num_stages) if self.bounds[s] <= i < self.bounds[s + 1])
