@@ -5,6 +5,9 @@ on the same split of the same GPT, the same batches and the same optimizer.
         [--warmup 1] [--rounds 3] [--seqs 8] [--systems sw_1f1b,torch_1f1b,sw_gpipe,torch_gpipe]
         [--profile] [--json out.json]
 
+(``sw_1f1b_noahead`` / ``sw_gpipe_noahead``: the executor with its receives posted by their
+actions rather than ahead, for an A/B of that change in the same run.)
+
 The problem is the anchor one (shared/ANCHORS.md): GPT "anchor", 8 sequences of 256 tokens per
 step, AdamW(lr 1e-3, betas (0.9, 0.95), weight decay 0.1), fp32, gloo, one thread per rank.
 Both sides run the stages of one ``PipelineModule(pipeline_layers(GPT))`` split by parameter
@@ -49,7 +52,11 @@ SYSTEMS = {
     "torch_1f1b": ("torch", "1f1b"),
     "sw_gpipe": ("shardwise", "gpipe"),
     "torch_gpipe": ("torch", "gpipe"),
+    # the executor with its receives not posted ahead (each posted by its action, as before)
+    "sw_1f1b_noahead": ("shardwise", "1f1b"),
+    "sw_gpipe_noahead": ("shardwise", "gpipe"),
 }
+DEFAULT_SYSTEMS = "sw_1f1b,torch_1f1b,sw_gpipe,torch_gpipe"
 
 
 class _Stage(torch.nn.Module):
@@ -125,6 +132,8 @@ def run_rank(system: str, model: str, seqs: int, m: int, steps: int, warmup: int
         step, sent = _torch_runner(pipe, kind, cfg, seqs, m, splits)
     else:
         run = PipelineExecutor(pipe, kind, microbatches=m)
+        if system.endswith("_noahead"):
+            run._post_ahead = lambda ahead: None  # type: ignore[method-assign]
         if splits is not None:
             wrap_shardwise(splits, run)
         step, sent = (lambda x, y: float(run.train_batch(x, y))), [0]
@@ -229,7 +238,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3, help="turns of every system")
     ap.add_argument("--seqs", type=int, default=8, help="sequences per step")
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"of {', '.join(SYSTEMS)}")
     ap.add_argument("--profile", action="store_true", help="time splits per rank")
     ap.add_argument("--json")
     args = ap.parse_args()
