@@ -96,8 +96,9 @@ class PipelineExecutor:
     shape message per boundary), one broadcast of the loss over pp, and the tied-weight
     all_reduce. Each receive is posted ahead of its action, once the one before it from the
     same peer is done and this step's shape of its boundary is known, so its payload arrives
-    while this rank computes (one receive buffer ahead per peer). The zero-bubble split (I, W) computes the input gradient first and the weight
-    gradient from the retained graph later, traversing the stage's backward graph twice.
+    while this rank computes (one receive buffer ahead per peer). The zero-bubble split (I, W)
+    computes the input gradient first and the weight gradient from the retained graph later,
+    traversing the stage's backward graph twice.
     """
 
     def __init__(
