@@ -20,6 +20,7 @@ class Splits:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.first: dict[str, float] = {}  # the first call's own seconds in this step
+        self.cpu: dict[str, float] = defaultdict(float)  # this thread's CPU seconds, inclusive
         self._inner: list[float] = []  # time of wrapped calls inside each open call
 
     def wrap(self, owner: Any, name: str, label: str) -> None:
@@ -29,11 +30,12 @@ class Splits:
     def timed(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             self._inner.append(0.0)
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 dt = time.perf_counter() - t0
+                self.cpu[label] += time.thread_time() - cpu0
                 inner = self._inner.pop()
                 self.seconds[label] += dt - inner
                 self.first.setdefault(label, dt - inner)
@@ -45,23 +47,30 @@ class Splits:
 
     def take(self, step_s: float) -> dict[str, Any]:
         """This step's splits (``python`` = the step less every split) and reset."""
-        out = {"seconds": dict(self.seconds), "calls": dict(self.calls), "first": dict(self.first)}
+        out = {
+            "seconds": dict(self.seconds),
+            "calls": dict(self.calls),
+            "first": dict(self.first),
+            "cpu": dict(self.cpu),
+        }
         out["seconds"]["python"] = step_s - sum(self.seconds.values())
         self.seconds.clear()
+        self.cpu.clear()
         self.calls.clear()
         self.first.clear()
         return out
 
 
 def mean_splits(steps: list[dict[str, Any]]) -> dict[str, Any]:
-    """The mean seconds, calls and first call's seconds per label over ``steps`` (each from
-    ``Splits.take``)."""
+    """The mean seconds, calls, first call's seconds and CPU seconds per label over ``steps``
+    (each from ``Splits.take``)."""
     labels = sorted({k for s in steps for k in s["seconds"]})
     n = max(len(steps), 1)
     return {
         "seconds": {k: sum(s["seconds"].get(k, 0.0) for s in steps) / n for k in labels},
         "calls": {k: sum(s["calls"].get(k, 0) for s in steps) / n for k in labels},
         "first": {k: sum(s["first"].get(k, 0.0) for s in steps) / n for k in labels},
+        "cpu": {k: sum(s["cpu"].get(k, 0.0) for s in steps) / n for k in labels},
     }
 
 

@@ -18,8 +18,9 @@ schedule on both sides (``reduce_tied_grads``: one 16 MiB all_reduce). Each micr
 is its mean over m (torch: ``scale_grads=False``), as shardwise scales it, so the gradients
 and the work are the same.
 
-The systems take turns for ``--rounds`` rounds, each turn in a fresh pair of rank processes
-(``RankPool``), so every system sees the same drift of the machine. Per system: the median step
+The systems take turns for ``--rounds`` rounds (every other round in reverse order), each turn
+in a fresh pair of rank processes (``RankPool``), so every system sees the same drift of the
+machine. Per system: the median step
 (the slowest rank's, between barriers, over every timed step of every round), its ratio to
 torch's schedule of the same kind, the bytes each rank sends per step (shardwise:
 ``comm_stats()``; torch: its batched sends, counted by wrapping, plus the tied all_reduce) and
@@ -46,6 +47,7 @@ from tp_vs_dp import _batches as batches
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.parallel.plans.gpt import pipeline_layers
 
+COMPUTE = ("F compute", "B compute", "loss", "optimizer")
 OPS = ("send", "all_reduce", "broadcast")  # what a rank sends (recv: what it gets)
 SYSTEMS = {
     "sw_1f1b": ("shardwise", "1f1b"),
@@ -228,6 +230,8 @@ def _print(rows: list[dict], args: Any, load: tuple[float, float], cfg: GPTConfi
                 for k, v in sorted(sp["seconds"].items(), key=lambda kv: -kv[1])
             )
             print(f"{'':>14}rank {rank} ms/step/calls (the first call's ms): {parts}")
+            compute = ", ".join(f"{k} {sp['cpu'][k] * 1e3:.0f}" for k in COMPUTE if k in sp["cpu"])
+            print(f"{'':>14}rank {rank} CPU ms/step of the main thread: {compute}")
 
 
 def main() -> None:
@@ -251,8 +255,10 @@ def main() -> None:
     cfg = GPTConfig.named(args.model)
     runs: dict[str, list[list[dict]]] = {s: [] for s in systems}
     load0 = os.getloadavg()[0]
-    for _ in range(args.rounds):
-        for system in systems:
+    for i in range(args.rounds):
+        # every other round in reverse: a drift of the machine's load over a round falls on
+        # every system alike
+        for system in systems if i % 2 == 0 else systems[::-1]:
             pool = RankPool(2, pg_timeout_s=600.0, start_timeout_s=300.0)
             try:
                 a = (system, args.model, args.seqs, args.microbatches, args.steps, args.warmup)
