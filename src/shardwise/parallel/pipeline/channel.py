@@ -9,7 +9,10 @@ the one its schedule expects raises ``DesyncError`` naming both ranks instead of
 reading garbage.
 
 Sends are asynchronous; the sender keeps each payload alive until its send completes and then
-drops it (``release_completed``), so an activation is freed as soon as it has left.
+drops it (``release_completed``), so an activation is freed as soon as it has left. A receive can
+be posted ahead of the action that takes it (``post_recv``): the transport moves a message only
+once its receive is posted, so a receive posted while this rank computes has its payload in
+place when the action comes, instead of one round trip after it.
 """
 
 from __future__ import annotations
@@ -45,10 +48,15 @@ class Channel:
     shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
     announced: set[int] = field(default_factory=set)  # boundaries whose shape went this step
     pending: list[tuple[comm.Handle, list[torch.Tensor]]] = field(default_factory=list)
+    # (kind, stage, micro-batch) -> a receive posted ahead of its action, and its buffer
+    posted: dict[tuple[int, int, int], tuple[comm.Handle, torch.Tensor]] = field(
+        default_factory=dict
+    )
 
     def begin_step(self, step: int) -> None:
         self.step = step
         self.announced.clear()
+        self.posted.clear()  # left only by a step that failed
 
     def _send(self, t: torch.Tensor, dst: int, keep: list[torch.Tensor]) -> None:
         handle = ops.send(t, dst, group=self.group, async_op=True)
@@ -103,12 +111,7 @@ class Channel:
             ops.recv(meta, src, group=self.group)
             ndim, code, *dims = meta.tolist()
             self.shapes[stage] = (tuple(dims[:ndim]), DTYPES[code])
-        shape, dtype = self.shapes[stage]
-        buf = torch.empty(shape, dtype=dtype)
-        if self.group.debug_enabled():
-            self._check_header(self._header(mb, stage, 0, buf), src)
-        ops.recv(buf, src, group=self.group)
-        return buf
+        return self._take(0, stage, mb, src)
 
     def send_gradient(self, g: torch.Tensor, stage: int, mb: int, dst: int) -> None:
         """Send the gradient of stage ``stage``'s input (micro-batch ``mb``) to ``dst``."""
@@ -119,10 +122,31 @@ class Channel:
 
     def recv_gradient(self, stage: int, mb: int, src: int) -> torch.Tensor:
         """Receive the gradient of stage ``stage - 1``'s output (micro-batch ``mb``)."""
-        shape, dtype = self.shapes[stage - 1]
+        return self._take(1, stage, mb, src)
+
+    def post_recv(self, kind: int, stage: int, mb: int, src: int) -> None:
+        """Post now the receive that ``recv_activation`` (``kind`` 0) or ``recv_gradient``
+        (1) of ``stage``, ``mb`` from ``src`` will take: only once this step's shape of the
+        boundary is known (an activation's first needs its shape message first) and without
+        headers (each is checked before its payload's receive is posted); else a no-op. It
+        must be the next message from ``src``."""
+        boundary = stage if kind == 0 else stage - 1
+        key = (kind, stage, mb)
+        if key in self.posted or boundary not in self.announced or self.group.debug_enabled():
+            return
+        shape, dtype = self.shapes[boundary]
+        buf = torch.empty(shape, dtype=dtype)
+        self.posted[key] = (ops.recv(buf, src, group=self.group, async_op=True), buf)
+
+    def _take(self, kind: int, stage: int, mb: int, src: int) -> torch.Tensor:
+        """The payload of a receive posted ahead, or received now."""
+        ahead = self.posted.pop((kind, stage, mb), None)
+        if ahead is not None:
+            return ahead[0].wait()
+        shape, dtype = self.shapes[stage if kind == 0 else stage - 1]
         buf = torch.empty(shape, dtype=dtype)
         if self.group.debug_enabled():
-            self._check_header(self._header(mb, stage, 1, buf), src)
+            self._check_header(self._header(mb, stage, kind, buf), src)
         ops.recv(buf, src, group=self.group)
         return buf
 

@@ -94,8 +94,11 @@ class PipelineExecutor:
 
     Communicates per step: one send/recv per stage boundary per micro-batch each way (plus one
     shape message per boundary), one broadcast of the loss over pp, and the tied-weight
-    all_reduce. The zero-bubble split (I, W) computes the input gradient first and the weight
-    gradient from the retained graph later, traversing the stage's backward graph twice.
+    all_reduce. Each receive is posted ahead of its action, once the one before it from the
+    same peer is done and this step's shape of its boundary is known, so its payload arrives
+    while this rank computes (one receive buffer ahead per peer). The zero-bubble split (I, W)
+    computes the input gradient first and the weight gradient from the retained graph later,
+    traversing the stage's backward graph twice.
     """
 
     def __init__(
@@ -119,7 +122,25 @@ class PipelineExecutor:
         self.after_backward: Callable[[], None] | None = None
         # the times of recent steps (training and evaluation), until ``take_step_times``
         self._recent: deque[StepTimes] = deque(maxlen=1024)
-        self._peer = {r: pipe.mesh.rank_of(pp=r) for r in range(pipe.pp_size)}
+        self._peer = dict(enumerate(pipe.pp_group.ranks))  # pp rank -> world rank
+        # each peer's receives of a step in order, training and forward only
+        self._receives = {train: self._receives_of(train) for train in (True, False)}
+
+    def _receives_of(self, train: bool) -> dict[int, tuple[Action, ...]]:
+        out: dict[int, list[Action]] = {}
+        for a in self.actions:
+            if a.kind is Kind.RECV_ACT or (train and a.kind is Kind.RECV_GRAD):
+                out.setdefault(a.peer, []).append(a)
+        return {peer: tuple(rs) for peer, rs in out.items()}
+
+    def _post_ahead(self, ahead: dict[int, deque[Action]]) -> None:
+        """Post each peer's next receive as soon as it can go (``Channel.post_recv``): its
+        payload moves while this rank computes. One receive ahead per peer at most."""
+        for queue in ahead.values():
+            if queue:
+                a = queue[0]
+                kind = 0 if a.kind is Kind.RECV_ACT else 1
+                self.channel.post_recv(kind, a.stage, a.mb, self._peer[a.peer])
 
     def take_step_times(self) -> list[StepTimes]:
         """The times of the steps run since the last call (at most 1024), oldest first; an
@@ -158,6 +179,7 @@ class PipelineExecutor:
         st = _StepState(self._split(x, "input"), self._split(y, "target"), train, scale)
         self.channel.begin_step(self.steps)
         times = StepTimes()
+        ahead = {peer: deque(rs) for peer, rs in self._receives[train].items()}
         start = time.perf_counter()
         try:
             for a in self.actions:
@@ -168,6 +190,9 @@ class PipelineExecutor:
                         t1 = time.perf_counter()
                         times.slots.append((a, t0 - start, t1 - start))
                         times.busy_s += t1 - t0
+                    elif a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+                        ahead[a.peer].popleft()
+                    self._post_ahead(ahead)
                 self.channel.release_completed()
             self.channel.wait_all()
         finally:

@@ -197,8 +197,9 @@ class PipelineModule(nn.Module):
     layers of other stages (and tied modules this rank does not use) are freed. Built from a
     model on the meta device, they are never allocated at all.
 
-    Communicates at construction: forms one group per tied key and (dp, tp) coordinate (all
-    ranks, collectively) and broadcasts each tied module from its first holder.
+    Communicates at construction: broadcasts each tied module from its first holder (over the
+    pp group when every pp rank holds it; otherwise over a group per tied key and (dp, tp)
+    coordinate that all ranks of the world form, collectively).
     """
 
     def __init__(
@@ -248,15 +249,27 @@ class PipelineModule(nn.Module):
         return sorted({s % self.pp_size for s in stages})
 
     def _form_tied_groups(self) -> dict[str, comm.Group]:
-        """Every rank forms every tied group (torch's rule), in the same order."""
+        """A tied module on every pp rank sums over the pp group. One on some pp ranks gets a
+        group per coordinate off the pp axis, which every rank of the world forms (torch's
+        rule), in the same order: so only on a mesh over the whole world."""
         mine: dict[str, comm.Group] = {}
-        me = self.mesh.world.rank
+        me, members = self.mesh.world.rank, self.mesh.members
         for key in sorted(self._tied_first):
             holders = self.tied_holders(key)
             if len(holders) < 2:
                 continue
+            if len(holders) == self.pp_size:
+                mine[key] = self.pp_group
+                continue
+            if len(members) != self.mesh.world.world_size:
+                raise ValueError(
+                    f"tied module {key!r} is held by pp ranks {holders} of {self.pp_size}: its "
+                    f"group needs every rank of the world, but the mesh covers ranks "
+                    f"{list(members)} of {self.mesh.world.world_size}; build the mesh over the "
+                    "whole world, or tie only across all pp ranks"
+                )
             for stages in self.mesh.partition(Axis.PP):  # one per coordinate off the pp axis
-                ranks = [stages[pp] for pp in holders]
+                ranks = [members[stages[pp]] for pp in holders]
                 g = self.mesh.world.new_group(ranks, name=f"tied-{key}", stats=self.mesh.stats)
                 if me in ranks:
                     mine[key] = g
