@@ -185,7 +185,7 @@ def pipeline_stage_allocation(pp: int, meta: bool) -> dict[str, int]:
     from limit_cases import _exact_malloc
 
     from shardwise.costmodel.memory import gpt_largest_unit_elements
-    from shardwise.engine.materialize import materialize_kept
+    from shardwise.deferred import materialize_kept
     from shardwise.mesh import Mesh
     from shardwise.parallel import plans
 

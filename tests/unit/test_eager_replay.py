@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import shardwise
-from shardwise.engine import eager_replay, materialize
+from shardwise.deferred import eager_replay
+from shardwise.deferred import init as materialize
 
 transformers = pytest.importorskip("transformers")
 

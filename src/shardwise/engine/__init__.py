@@ -8,9 +8,9 @@ in, each rank reading what it keeps (``targets``: where that goes).
 ``initialize`` picks the engine for a model (a ``PipelineModule`` gets ``pipeline``'s engine).
 """
 
+from shardwise.deferred import deferred_init
 from shardwise.engine.core import Engine, SchedulerFactory
 from shardwise.engine.initialize import initialize
-from shardwise.engine.materialize import deferred_init
 from shardwise.engine.pretrained import load_pretrained
 
 __all__ = ["Engine", "SchedulerFactory", "deferred_init", "initialize", "load_pretrained"]

@@ -17,8 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise import deferred
 from shardwise.comm.groups import Group
 from shardwise.config import Config
+from shardwise.deferred.init import init_plan
+from shardwise.deferred.peak import InitPeak
 from shardwise.engine import materialize, param_access
 from shardwise.engine.build import (
     SchedulerFactory,
@@ -35,7 +38,7 @@ from shardwise.engine.build import (
     resolve_replicate,
 )
 from shardwise.engine.checkpoint_methods import CheckpointMethods
-from shardwise.engine.memory import KINDS, InitPeak, memory_report
+from shardwise.engine.memory import KINDS, memory_report
 from shardwise.engine.placements import EnginePlacements, ExtraStyles
 from shardwise.engine.run_state import CheckpointState, Steps
 from shardwise.mesh import AXIS_ORDER, Axis, Mesh
@@ -67,7 +70,7 @@ class Engine(CheckpointMethods):
         group: Group | Mesh,
         lr_scheduler: SchedulerFactory | None = None,
         placements: Mapping[str, Placement] | None = None,
-        init_fn: materialize.InitFn | None = None,
+        init_fn: deferred.InitFn | None = None,
     ) -> None:
         self.config = config
         self.device = check_model(model)
@@ -76,7 +79,7 @@ class Engine(CheckpointMethods):
         # ``materialize.fill_engine`` fills it (``shardwise.initialize`` calls it)
         self.deferred = self.device.type == "meta"
         if self.deferred:
-            self.device = materialize.target_device()
+            self.device = deferred.target_device()
         self.init_peak = InitPeak()
         eager_bytes = 0 if self.deferred else sum(p.nbytes for p in model.parameters())
         self.mesh = group if isinstance(group, Mesh) else None
@@ -103,7 +106,7 @@ class Engine(CheckpointMethods):
         self.module = model
         check_same_structure(model, self.dp_group, self.device)
         if self.deferred:
-            materialize.prepare(model, materialize.init_plan(model, init_fn), self.device)
+            materialize.prepare(model, init_plan(model, init_fn), self.device)
         broadcast_buffers(model, self.dp_group.ranks[0], self.dp_group)
         self.flats, self._schedule = build_flats(
             model,
@@ -296,7 +299,7 @@ class Engine(CheckpointMethods):
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds now: see ``shardwise.engine.memory.memory_report``; plus
         ``init_peak``, the most it held while it was initialized and loaded (see
-        ``shardwise.engine.memory.InitPeak``)."""
+        ``shardwise.deferred.peak.InitPeak``)."""
         report = memory_report(
             self.module,
             self.flats,

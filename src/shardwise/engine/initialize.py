@@ -12,8 +12,9 @@ from torch import nn
 from shardwise import comm
 from shardwise.comm.groups import Group
 from shardwise.config import Config
+from shardwise.deferred import InitFn
 from shardwise.engine.core import Engine, SchedulerFactory
-from shardwise.engine.materialize import InitFn, fill_engine
+from shardwise.engine.materialize import fill_engine
 from shardwise.engine.pipeline import PipelineEngine, check_pipeline_config
 from shardwise.engine.pretrained import Source, load_pretrained
 from shardwise.mesh import Mesh
@@ -71,7 +72,7 @@ def initialize(
             weights, or for what weights lack: ``init_fn(module)`` initializes each module's
             own parameters (default: the model's ``init_module`` / Hugging Face
             ``_init_weights`` / each module's ``reset_parameters``); see
-            ``shardwise.engine.materialize``.
+            ``shardwise.deferred``.
 
     A model on the meta device is accepted at every stage and layout: each rank allocates only
     what it keeps (at ZeRO-3 its shards) and fills it from ``weights`` or module by module. A

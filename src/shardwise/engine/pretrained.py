@@ -28,7 +28,7 @@ from shardwise.checkpoint.entries import flat_range_boxes
 from shardwise.checkpoint.layout import MANIFEST_NAME
 from shardwise.comm import objects
 from shardwise.comm.groups import Group
-from shardwise.engine.memory import InitPeak
+from shardwise.deferred.peak import InitPeak
 from shardwise.engine.targets import ParamTargets, Target
 from shardwise.hf import (
     CheckpointWeights,

@@ -76,17 +76,3 @@ class ParamTargets:
         """The largest local parameter's size at ``dtype``."""
         size = torch.empty((), dtype=dtype).element_size()
         return max((t.param.numel() * size for t in self), default=0)
-
-
-class WholeParams:
-    """Parameters kept whole by their own tensors (a pipeline stage before ZeRO): a write
-    copies the whole value in; records which were filled."""
-
-    def __init__(self) -> None:
-        self.filled: set[int] = set()
-
-    def write_whole(self, param: torch.Tensor, local: torch.Tensor) -> None:
-        """Set ``param`` to ``local``."""
-        with torch.no_grad():
-            param.data.copy_(local)
-        self.filled.add(id(param))

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from shardwise import hf
-from shardwise.engine.materialize import deferred_init
+from shardwise.deferred import deferred_init
 from shardwise.finetune.base_weights import PEFT_PREFIX, open_base_weights
 from shardwise.finetune.lora import LoraSpec, adapter_init_fn, apply_lora
 from shardwise.finetune.model import build_model, check_model_dir, decoder_layer_classes

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.engine import materialize
+from shardwise.deferred import init as materialize
 from shardwise.mesh import Mesh
 from shardwise.parallel.context import ContextParallel, apply_context_parallel
 from shardwise.parallel.pipeline.stage import Entry, PipelineModule, Tied

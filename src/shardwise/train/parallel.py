@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardwise.comm import World
-from shardwise.engine.materialize import deferred_init
+from shardwise.deferred import deferred_init
 from shardwise.mesh import Mesh
 from shardwise.models.gpt import GPT
 from shardwise.parallel import plans

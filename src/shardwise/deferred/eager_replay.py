@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.engine.op_record import MetaFactories, OpRecord, Touch, storage
+from shardwise.deferred.op_record import MetaFactories, OpRecord, Touch, storage
 
 log = logging.getLogger("shardwise")
 
