@@ -14,8 +14,11 @@ steps on this rank (the whole loop: batch, forward, backward, step, the loop's o
 
 from __future__ import annotations
 
+import cProfile
+import io
 import json
 import os
+import pstats
 import resource
 import sys
 import tempfile
@@ -34,18 +37,23 @@ class Record:
 
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec
-        self.started = time.perf_counter()
         self.ends: list[float] = []
         self.cpu: list[float] = []
         self.marks: list[dict[str, float]] = [{}]
         self.losses: list[float] = []
         self.state: dict[str, int] = {}
+        self.load_peak_mib = 0.0
+        self.start_s = 0.0
 
     def mark(self, phase: str) -> None:
         """This step's ``phase`` starts now: ``compute`` (forward), ``opt`` (optimizer step)."""
         self.marks[-1][phase] = time.perf_counter()
+        if phase == "compute" and not self.ends:
+            self.load_peak_mib = peak_rss_mib()  # loading and set-up, before the first forward
 
     def end_step(self) -> None:
+        if not self.ends:
+            self.start_s = process_age_s()
         self.ends.append(time.perf_counter())
         self.cpu.append(time.process_time())
         self.marks.append({})
@@ -81,10 +89,23 @@ class Record:
             "cpu_times": [b - a for a, b in zip(self.cpu[w - 1 : -2], self.cpu[w:-1])],
             "losses": self.losses,
             "state": self.state,
-            "start_s": self.ends[0] - self.started if self.ends else None,
+            "start_s": self.start_s,
             "threads": torch.get_num_threads(),
-            "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "maxrss_mib": peak_rss_mib(),
+            "load_peak_mib": self.load_peak_mib,
         }
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (the kernel's start time: imports included)."""
+    stat = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    started = int(stat[19]) / os.sysconf("SC_CLK_TCK")
+    return float(Path("/proc/uptime").read_text().split()[0]) - started
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set so far (``ru_maxrss``), MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def rows_of(step: int, rank: int, world: int, micro: int) -> list[int]:
@@ -253,7 +274,16 @@ def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     torch.set_num_threads(1)
     run = run_shardwise if spec["system"].startswith("sw") else run_trainer
-    result = run(spec)
+    if not spec.get("profile"):
+        result = run(spec)
+    else:  # where the whole run's time goes, start-up included (the profiler slows it)
+        prof = cProfile.Profile()
+        result = prof.runcall(run, spec)
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("cumulative").print_stats(40)
+        stats.sort_stats("tottime").print_stats(25)
+        result["profile"] = text.getvalue()
     out = Path(spec["out"]) / f"rank{os.environ['RANK']}.json"
     out.write_text(json.dumps(result))
     return 0

@@ -2,30 +2,40 @@
 DeepSpeed ZeRO-3 (through accelerate) and over DDP, LoRA and full fine-tuning.
 
     python benchmarks/finetune_vs_trainer.py [--model-size base] [--modes lora,full]
-        [--systems sw3,sw2,ds3,ddp] [--steps 6] [--warmup 2] [--rounds 3] [--seq-len 256]
-        [--deepspeed-python /work/dsvenv/bin/python] [--json out.json]
+        [--systems sw3,sw0,ds3,ddp] [--steps 6] [--warmup 2] [--rounds 3] [--seq-len 256]
+        [--vocab 8192] [--deepspeed-python /work/dsvenv/bin/python] [--json out.json]
+        [--profile]
 
-One problem for every system: a Llama built from a config (``--model-size``: ``base`` 25.6 M
-parameters, ``small`` 3.3 M for a quick check), saved with ``save_pretrained`` with an offline
-BPE tokenizer (``shardwise.finetune.demo.tokenizer``) into a temporary directory; a
-prompt/completion JSONL written here, rendered by ``shardwise.finetune`` (labels -100 on the
-prompt: loss on completions only), no packing; 2 ranks on gloo, one thread each, ``--micro``
-examples per rank (global batch 2 x micro), padded to the longest in the micro-batch; AdamW
-(lr 1e-4, weight decay 0, constant), fp32, no gradient clipping; LoRA r=16, alpha 32, no dropout
-on q, k, v, o (the adapters start from the same values in every system).
+One problem for every system: a Llama built from a config (``--model-size``: ``base`` 33.7 M
+parameters, ``medium`` 16.9 M, ``small`` 7.4 M for a quick check; ``--vocab`` rows, of which
+the offline BPE tokenizer ``shardwise.finetune.demo.tokenizer`` uses the first 320), saved with
+``save_pretrained`` into a temporary directory; a prompt/completion JSONL written here,
+rendered by ``shardwise.finetune`` (labels -100 on the prompt: loss on completions only), no
+packing; 2 ranks on gloo, one thread each, ``--micro`` examples per rank (global batch 2 x
+micro), padded to the longest in the micro-batch; AdamW (lr 1e-4, weight decay 0, constant),
+fp32, no gradient clipping; LoRA r=16, alpha 32, no dropout on q, k, v, o (the adapters start
+from the same values in every system).
 
 Systems, each a fresh pair of processes launched here (torchrun's environment variables):
 ``swN`` shardwise ZeRO-N (``build_finetune_model`` on the meta device, streamed load,
 ``micro_losses``, ``engine.step``: the ``shardwise finetune`` step); ``dsN`` ``Trainer`` with
 DeepSpeed ZeRO-N (``TrainingArguments(deepspeed=...)`` before ``from_pretrained``, so ZeRO-3
 partitions the load; run by ``--deepspeed-python``, a virtual environment that has deepspeed);
-``ddp`` ``Trainer`` over DDP (gloo, ``ddp_find_unused_parameters=False``). The systems take
-turns for ``--rounds`` rounds (order reversed every other round). Per system: the median step
-(slowest rank; a step is the wall clock between the ends of consecutive optimizer steps, the
-whole loop), peak RSS of each rank (``ru_maxrss``, the process's lifetime peak: loading
-included), model state per rank (parameters, gradients, optimizer state, DeepSpeed's flat fp32
-master and partitions) before the last optimizer step, seconds from process start to the first
-step's end, and the losses (the first step's must agree between systems: the same problem).
+``ddp`` ``Trainer`` over DDP (gloo, ``ddp_find_unused_parameters=False``, AdamW as
+``optim="adamw_torch"``: the same optimizer, not the fused default). ZeRO-0 holds what DDP
+holds, ZeRO-3 what DeepSpeed ZeRO-3 shards. The systems take turns for ``--rounds`` rounds
+(order reversed every other round).
+
+Per system: the median step (slowest rank; a step is the wall clock between the ends of
+consecutive optimizer steps: the whole loop) and the process CPU time per step (all threads;
+on a shared machine less inflated by other tenants than the wall clock), rank 0's split of a
+step (batch and loop work / forward and backward / optimizer step; DeepSpeed steps inside
+its backward), peak RSS of each rank (``ru_maxrss``: the lifetime peak, loading included) and
+the peak before the first forward (loading and set-up), model state per rank (parameters,
+gradients, optimizer state, DeepSpeed's flat fp32 master and partitions) before an extra,
+untimed last step, seconds from process start to the first step's end, and the losses (the
+first step's must agree between systems: the same problem). ``--profile`` runs the ranks
+under cProfile and prints rank 0's (its times are then not comparable).
 """
 
 from __future__ import annotations
@@ -58,14 +68,19 @@ SYSTEMS = {
 }
 SIZES = {  # hidden, intermediate, layers, heads
     "small": (256, 688, 4, 4),
+    "medium": (384, 1024, 6, 6),
     "base": (512, 1376, 8, 8),
 }
+PAIRS = (("ds3", "sw3"), ("ds2", "sw2"), ("ddp", "sw0"), ("ddp", "sw3"))
+"""Each anchor beside the shardwise system holding the same state (and DDP beside ZeRO-3)."""
 LORA = "r=16,alpha=32,dropout=0.0,targets=q_proj,k_proj,v_proj,o_proj"
 LR = 1e-4
 
 
-def write_model(root: Path, size: str) -> tuple[Path, dict[str, int]]:
-    """The Llama of ``size`` with the demo tokenizer, saved; its parameter counts."""
+def write_model(root: Path, size: str, vocab: int) -> tuple[Path, dict[str, int]]:
+    """The Llama of ``size`` with ``vocab`` embedding rows (the demo tokenizer uses the first
+    ones; a real vocabulary's size puts real logits on the loss) and the demo tokenizer, saved;
+    its parameter counts."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -75,7 +90,7 @@ def write_model(root: Path, size: str) -> tuple[Path, dict[str, int]]:
     hidden, inter, layers, heads = SIZES[size]
     tok = demo.tokenizer()
     cfg = LlamaConfig(
-        vocab_size=len(tok),
+        vocab_size=max(vocab, len(tok)),
         hidden_size=hidden,
         intermediate_size=inter,
         num_hidden_layers=layers,
@@ -176,6 +191,7 @@ def summarize(key: str, rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
             statistics.median(max(t) for t in zip(*(r["times"] for r in ranks))) for ranks in rounds
         ],
         "maxrss_mib": [max(rd[i]["maxrss_mib"] for rd in rounds) for i in range(WORLD)],
+        "load_peak_mib": max(r["load_peak_mib"] for ranks in rounds for r in ranks),
         "state": [r["state"] for r in last],
         "state_mib": max(sum(r["state"].values()) for r in last) / MiB,
         "start_s": statistics.median(r["start_s"] for ranks in rounds for r in ranks),
@@ -197,10 +213,9 @@ def table(mode: str, rows: list[dict[str, Any]], counts: dict[str, int]) -> str:
     lines = [
         f"{mode}: {counts[mode] / 1e6:.3f} M trainable of {counts['full'] / 1e6:.3f} M",
         "| system | median step s | vs " + SYSTEMS[base["key"].split("/")[0]] + " | CPU s/step "
-        "| CPU vs | peak RSS "
-        "MiB/rank | RSS vs | model state MiB/rank | data / fwd+bwd / opt s (rank 0) | start s "
-        "| first loss | last loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| CPU vs | peak RSS MiB/rank | RSS vs | peak before step 1 | model state MiB/rank "
+        "| data / fwd+bwd / opt s (rank 0) | start s | first loss | last loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         rss = max(r["maxrss_mib"])
@@ -209,10 +224,20 @@ def table(mode: str, rows: list[dict[str, Any]], counts: dict[str, int]) -> str:
             f"{r['step_s'] / base['step_s']:.2f} | {r['cpu_s']:.3f} | "
             f"{r['cpu_s'] / base['cpu_s']:.2f} | "
             f"{' / '.join(f'{m:,.0f}' for m in r['maxrss_mib'])} | "
-            f"{rss / max(base['maxrss_mib']):.2f} | {r['state_mib']:.1f} | "
+            f"{rss / max(base['maxrss_mib']):.2f} | {r['load_peak_mib']:,.0f} | "
+            f"{r['state_mib']:.1f} | "
             f"{' / '.join(f'{v:.3f}' for v in r['phases_s'].values())} | {r['start_s']:.1f} | "
             f"{r['losses'][0]:.6f} | {r['losses'][-1]:.6f} |"
         )
+    by = {r["key"].split("/")[0]: r for r in rows}
+    for anchor, mine in PAIRS:
+        if anchor in by and mine in by:
+            a, m = by[anchor], by[mine]
+            lines.append(
+                f"{SYSTEMS[anchor]} / {SYSTEMS[mine]}: step {a['step_s'] / m['step_s']:.2f}x, "
+                f"CPU {a['cpu_s'] / m['cpu_s']:.2f}x, peak RSS "
+                f"{max(a['maxrss_mib']) / max(m['maxrss_mib']):.2f}x (above 1: shardwise ahead)"
+            )
     first = [r["losses"][0] for r in rows]
     spread = (max(first) - min(first)) / abs(min(first))
     lines.append(f"first-step losses agree within {spread:.1e} relative")
@@ -223,15 +248,21 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-size", choices=sorted(SIZES), default="base")
     ap.add_argument("--modes", default="lora,full", help="comma-separated: lora, full")
-    ap.add_argument("--systems", default="sw3,ds3,ddp", help=f"from {','.join(SYSTEMS)}")
+    ap.add_argument("--systems", default="sw3,sw0,ds3,ddp", help=f"from {','.join(SYSTEMS)}")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per system and round")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 1)")
     ap.add_argument("--rounds", type=int, default=3, help="turns of every system")
     ap.add_argument("--micro", type=int, default=4, help="examples per rank and step")
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=8192, help="the model's vocabulary rows")
     ap.add_argument("--deepspeed-python", default="/work/dsvenv/bin/python")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per system run")
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="run each rank under cProfile and print rank 0's (times are then not comparable)",
+    )
     args = ap.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     args.systems = [s for s in args.systems.split(",") if s]
@@ -252,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     runs: dict[str, list[list[dict[str, Any]]]] = {}
     with tempfile.TemporaryDirectory(prefix="ft_problem_") as tmp:
-        model_dir, counts = write_model(Path(tmp), args.model_size)
+        model_dir, counts = write_model(Path(tmp), args.model_size, args.vocab)
         total = (args.warmup + args.steps + 1) * WORLD * args.micro
         data = write_data(Path(tmp) / "train.jsonl", total)
         turns = [(m, s) for m in args.modes for s in args.systems]
@@ -269,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                     "warmup": args.warmup,
                     "lr": LR,
                     "lora": LORA if mode == "lora" else None,
+                    "profile": args.profile,
                 }
                 py = args.deepspeed_python if system.startswith("ds") else sys.executable
                 t = time.perf_counter()
@@ -283,10 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     load_end = os.getloadavg()
     rows = {k: summarize(k, v) for k, v in runs.items()}
     print(
-        f"\n# Llama {args.model_size}, {WORLD} ranks x {args.micro} examples (seq <= "
-        f"{args.seq_len}), fp32 AdamW; {args.rounds} interleaved rounds x ({args.warmup} warm-up "
-        f"+ {args.steps} timed steps); code {version}; load average {load[0]:.2f} before, "
-        f"{load_end[0]:.2f} after; {time.perf_counter() - t0:.0f} s in all\n"
+        f"\n# Llama {args.model_size} (vocab {args.vocab}), {WORLD} ranks x {args.micro} "
+        f"examples (seq <= {args.seq_len}), fp32 AdamW; {args.rounds} interleaved rounds x "
+        f"({args.warmup} warm-up + {args.steps} timed steps); code {version}; load average "
+        f"{load[0]:.2f} before, {load_end[0]:.2f} after; {time.perf_counter() - t0:.0f} s in all\n"
     )
     for mode in args.modes:
         print(table(mode, [rows[f"{s}/{mode}"] for s in args.systems], counts) + "\n")
@@ -296,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{k} {', '.join(f'{m:.3f}' for m in r['round_medians_s'])}" for k, r in rows.items()
         )
     )
+    for key, ranks in runs.items():
+        if "profile" in ranks[-1][0]:
+            print(f"\n## {key}, rank 0 under cProfile\n{ranks[-1][0]['profile']}")
     print("threads per rank: " + ", ".join(f"{k} {r['threads']}" for k, r in rows.items()))
     if args.json:
         out = {"source": version, "args": {k: str(v) for k, v in vars(args).items()}}
