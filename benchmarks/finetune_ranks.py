@@ -57,6 +57,21 @@ class Record:
         self.ends.append(time.perf_counter())
         self.cpu.append(time.process_time())
         self.marks.append({})
+        if self.spec.get("profile") == "steps":
+            self._profile_steps()
+
+    def _profile_steps(self) -> None:
+        """torch.profiler over the timed steps: the ops by self CPU time."""
+        from torch.profiler import ProfilerActivity, profile
+
+        if len(self.ends) == self.spec["warmup"]:
+            self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self.profiler.__enter__()
+        elif len(self.ends) == self.spec["warmup"] + self.spec["steps"]:
+            self.profiler.__exit__(None, None, None)
+            self.profile = self.profiler.key_averages().table(
+                sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=50
+            )
 
     def _phases(self, w: int) -> dict[str, list[float]]:
         """Per timed step: ``data`` (from the previous step's end to the forward: the batch and
@@ -93,6 +108,7 @@ class Record:
             "threads": torch.get_num_threads(),
             "maxrss_mib": peak_rss_mib(),
             "load_peak_mib": self.load_peak_mib,
+            **({"profile": self.profile} if hasattr(self, "profile") else {}),
         }
 
 
@@ -274,15 +290,13 @@ def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     torch.set_num_threads(1)
     run = run_shardwise if spec["system"].startswith("sw") else run_trainer
-    if not spec.get("profile"):
+    if spec.get("profile") != "startup":
         result = run(spec)
     else:  # where the whole run's time goes, start-up included (the profiler slows it)
         prof = cProfile.Profile()
         result = prof.runcall(run, spec)
         text = io.StringIO()
-        stats = pstats.Stats(prof, stream=text)
-        stats.sort_stats("cumulative").print_stats(40)
-        stats.sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
         result["profile"] = text.getvalue()
     out = Path(spec["out"]) / f"rank{os.environ['RANK']}.json"
     out.write_text(json.dumps(result))

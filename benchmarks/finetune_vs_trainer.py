@@ -4,7 +4,7 @@ DeepSpeed ZeRO-3 (through accelerate) and over DDP, LoRA and full fine-tuning.
     python benchmarks/finetune_vs_trainer.py [--model-size base] [--modes lora,full]
         [--systems sw3,sw0,ds3,ddp] [--steps 6] [--warmup 2] [--rounds 3] [--seq-len 256]
         [--vocab 8192] [--deepspeed-python /work/dsvenv/bin/python] [--json out.json]
-        [--profile]
+        [--profile steps|startup]
 
 One problem for every system: a Llama built from a config (``--model-size``: ``base`` 33.7 M
 parameters, ``medium`` 16.9 M, ``small`` 7.4 M for a quick check; ``--vocab`` rows, of which
@@ -34,8 +34,9 @@ its backward), peak RSS of each rank (``ru_maxrss``: the lifetime peak, loading 
 the peak before the first forward (loading and set-up), model state per rank (parameters,
 gradients, optimizer state, DeepSpeed's flat fp32 master and partitions) before an extra,
 untimed last step, seconds from process start to the first step's end, and the losses (the
-first step's must agree between systems: the same problem). ``--profile`` runs the ranks
-under cProfile and prints rank 0's (its times are then not comparable).
+first step's must agree between systems: the same problem). ``--profile steps`` prints rank
+0's ops over the timed steps (torch.profiler), ``--profile startup`` its whole run under
+cProfile (the times are then not comparable).
 """
 
 from __future__ import annotations
@@ -260,8 +261,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path)
     ap.add_argument(
         "--profile",
-        action="store_true",
-        help="run each rank under cProfile and print rank 0's (times are then not comparable)",
+        choices=("steps", "startup"),
+        help="print rank 0's ops over the timed steps (torch.profiler) or its whole run under "
+        "cProfile (times are then not comparable)",
     )
     args = ap.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
@@ -330,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for key, ranks in runs.items():
         if "profile" in ranks[-1][0]:
-            print(f"\n## {key}, rank 0 under cProfile\n{ranks[-1][0]['profile']}")
+            print(f"\n## {key}, rank 0, --profile {args.profile}\n{ranks[-1][0]['profile']}")
     print("threads per rank: " + ", ".join(f"{k} {r['threads']}" for k, r in rows.items()))
     if args.json:
         out = {"source": version, "args": {k: str(v) for k, v in vars(args).items()}}
