@@ -138,7 +138,8 @@ def _optimizer_states(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     ]
 
 
-def _torch_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+def torch_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+    """A plain torch model's state on this rank: parameters, their gradients, optimizer state."""
     params = list(model.parameters())
     return {
         "params": storage_bytes(params),
@@ -170,7 +171,7 @@ def _ddp(model: torch.nn.Module) -> Trainer:
         opt.step()
         opt.zero_grad()
 
-    return Trainer(ddp, lambda loss: loss.backward(), step, lambda: _torch_state_bytes(model, opt))
+    return Trainer(ddp, lambda loss: loss.backward(), step, lambda: torch_state_bytes(model, opt))
 
 
 def _fsdp2(model: torch.nn.Module) -> Trainer:
@@ -185,9 +186,7 @@ def _fsdp2(model: torch.nn.Module) -> Trainer:
         opt.step()
         opt.zero_grad()
 
-    return Trainer(
-        model, lambda loss: loss.backward(), step, lambda: _torch_state_bytes(model, opt)
-    )
+    return Trainer(model, lambda loss: loss.backward(), step, lambda: torch_state_bytes(model, opt))
 
 
 def _deepspeed(model: torch.nn.Module, stage: int) -> Trainer:
@@ -200,25 +199,29 @@ def _deepspeed(model: torch.nn.Module, stage: int) -> Trainer:
     opt = torch.optim.AdamW(model.parameters(), **OPTIM)
     engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     torch.set_num_threads(1)
+    return Trainer(
+        engine, engine.backward, engine.step, lambda: deepspeed_state_bytes(engine, ds_opt)
+    )
 
-    def state() -> dict[str, int]:
-        params = list(engine.module.parameters())
-        own = [getattr(p, "ds_tensor", p) for p in params]
-        grads = [p.grad for p in params if p.grad is not None]
-        held = [t for a in DS_STATE_ATTRS for t in _tensors_in(getattr(ds_opt, a, None))]
-        states = _optimizer_states(ds_opt.optimizer)
-        # DeepSpeed's flat buffers include the one the parameters are views of: count each
-        # storage once, parameters first, then the fp32 master and gradient partitions.
-        params_b = storage_bytes(own)
-        flat_b = storage_bytes(own + held) - params_b
-        return {
-            "params": params_b,
-            "ds_flat": flat_b,
-            "param_grads": storage_bytes(own + held + grads) - params_b - flat_b,
-            "optimizer": storage_bytes(states),
-        }
 
-    return Trainer(engine, engine.backward, engine.step, state)
+def deepspeed_state_bytes(engine: Any, ds_opt: Any) -> dict[str, int]:
+    """A DeepSpeed engine's model state on this rank: its parameters (their partitions), its
+    flat fp32 master and gradient partitions, the parameters' own gradients, optimizer state."""
+    params = list(engine.module.parameters())
+    own = [getattr(p, "ds_tensor", p) for p in params]
+    grads = [p.grad for p in params if p.grad is not None]
+    held = [t for a in DS_STATE_ATTRS for t in _tensors_in(getattr(ds_opt, a, None))]
+    states = _optimizer_states(ds_opt.optimizer)
+    # DeepSpeed's flat buffers include the one the parameters are views of: count each
+    # storage once, parameters first, then the fp32 master and gradient partitions.
+    params_b = storage_bytes(own)
+    flat_b = storage_bytes(own + held) - params_b
+    return {
+        "params": params_b,
+        "ds_flat": flat_b,
+        "param_grads": storage_bytes(own + held + grads) - params_b - flat_b,
+        "optimizer": storage_bytes(states),
+    }
 
 
 def _build(system: str, model: torch.nn.Module) -> Trainer:

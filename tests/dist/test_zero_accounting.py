@@ -44,8 +44,11 @@ def _memory_task(stage: int):
     gc.collect()
     baseline = _live_tensor_bytes()
     model = zc.make_gpt()
-    engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                  shardwise.Config(zero_stage=stage, reduce_bucket_bytes=8192))
+    engine = shardwise.initialize(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        shardwise.Config(zero_stage=stage, reduce_bucket_bytes=8192),
+    )
     psi = sum(p.numel() for p in model.parameters())
     psi_pad = sum(f.padded for f in engine.flats)
     data = zc.batches("gpt", 2, n)
@@ -83,8 +86,12 @@ def test_model_state_bytes_match_zero_formulas(world, stage):
         optim_total += mem["optimizer"]
         states = mem["params"] + mem["grads"] + mem["optimizer"]
         # the paper's figure, up to padding
-        formula = {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n,
-                   3: 16 * psi / n}[stage]
+        formula = {
+            0: 16 * psi,
+            1: 8 * psi + 8 * psi / n,
+            2: 4 * psi + 12 * psi / n,
+            3: 16 * psi / n,
+        }[stage]
         assert abs(states - formula) <= 16 * nflats * n
         # the independent count: every live tensor this rank holds, minus what existed
         # before the model (a few scalars remain: Adam's step counters, the loss)
@@ -97,8 +104,11 @@ def _comm_task(stage: int):
     torch.set_num_threads(1)
     n = shardwise.world_size()
     model = zc.make_gpt()
-    engine = shardwise.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                  shardwise.Config(zero_stage=stage, reduce_bucket_bytes=8192))
+    engine = shardwise.initialize(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        shardwise.Config(zero_stage=stage, reduce_bucket_bytes=8192),
+    )
     psi_pad = sum(f.padded for f in engine.flats)
     used_map = sum(len(f.params) for f in engine.flats if f.trainable)
     per_step = []
@@ -120,10 +130,64 @@ def test_step_communication_bytes_exact(world, stage):
             if stage == 0:
                 assert got == {"all_reduce": 4 * psi_pad + used_map}
             elif stage in (1, 2):
-                assert got == {"reduce_scatter": 4 * psi_pad, "all_gather": 4 * psi_pad,
-                               "all_reduce": 4 + used_map}
+                assert got == {
+                    "reduce_scatter": 4 * psi_pad,
+                    "all_gather": 4 * psi_pad,
+                    "all_reduce": 4 + used_map,
+                }
                 assert stats["all_reduce"]["calls"] == 2  # the gradient norm, the used map
             else:
                 # the used map carries 16 more bytes: the hash of the gather order
-                assert got == {"all_gather": 8 * psi_pad, "reduce_scatter": 4 * psi_pad,
-                               "all_reduce": 4 + used_map + 16}
+                assert got == {
+                    "all_gather": 8 * psi_pad,
+                    "reduce_scatter": 4 * psi_pad,
+                    "all_reduce": 4 + used_map + 16,
+                }
+
+
+def _frozen_blocks_task(freeze: bool) -> tuple[list[str], int, dict]:
+    """ZeRO-3 GPT, its blocks frozen or not (the tied embedding and the final norm train):
+    the frozen buffers still gathered when backward ends (before everything is released), how
+    many there are, and one step's all_gathers."""
+    from shardwise.zero.flat_param import ParamState
+    from shardwise.zero.param_schedule import ParamSchedule
+
+    torch.set_num_threads(1)
+    model = zc.make_gpt()
+    for p in model.blocks.parameters():
+        p.requires_grad_(not freeze)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    engine = shardwise.initialize(model, opt, shardwise.Config(zero_stage=3))
+    frozen = [f for f in engine.flats if not f.trainable]
+    at_end: list[list[str]] = []
+    finish = ParamSchedule.finish_backward
+
+    def spy(self: ParamSchedule, flats: list) -> None:
+        at_end.append([f.names[0] for f in frozen if f.state is ParamState.FULL])
+        finish(self, flats)
+
+    ParamSchedule.finish_backward = spy  # type: ignore[method-assign]
+    try:
+        for x, y in zc.batches("gpt", 1, 2)[0]:
+            shardwise.comm_stats(reset=True)
+            engine.backward(engine(x, y))
+            engine.step()
+            gathers = shardwise.comm_stats()["all_gather"]
+    finally:
+        ParamSchedule.finish_backward = finish  # type: ignore[method-assign]
+    return at_end[-1], len(frozen), gathers
+
+
+def test_stage3_frees_frozen_units_that_backward_has_left():
+    """A frozen unit's buffer gets no gradient, so no reduction frees it: the schedule frees
+    it when backward moves on to another unit, so a frozen base (LoRA) is never whole on a
+    rank. When backward ends no frozen block is still gathered, and freezing adds no gather:
+    the step's all_gathers are those of the same model with every block trainable."""
+    still_full, nfrozen, gathers = run_on_ranks(2, _frozen_blocks_task, True)[0]
+    _, none, trainable_gathers = run_on_ranks(2, _frozen_blocks_task, False)[0]
+    assert nfrozen == zc.GPT_CFG.n_layer and none == 0
+    assert still_full == []
+    assert (gathers["calls"], gathers["bytes"]) == (
+        trainable_gathers["calls"],
+        trainable_gathers["bytes"],
+    )

@@ -180,6 +180,31 @@ def test_packed_rows_equal_each_example_alone(build) -> None:
     assert torch.equal(before, after)
 
 
+def test_nll_sum_is_each_labelled_next_token_loss_summed() -> None:
+    """Position t is scored against label t + 1, IGNORE skipped; its gradient equals the one of
+    the same sum written out token by token (and the last position, predicting nothing, gets
+    none)."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 7, 11, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 7), generator=gen)
+    labels[0, :3] = IGNORE
+    labels[1, 5] = IGNORE
+    got = nll_sum(logits, labels)
+    (grad,) = torch.autograd.grad(got, logits)
+    terms = [
+        -torch.log_softmax(logits[r, t], dim=-1)[labels[r, t + 1]]
+        for r in range(2)
+        for t in range(6)
+        if labels[r, t + 1] != IGNORE
+    ]
+    want = torch.stack(terms).sum()
+    (want_grad,) = torch.autograd.grad(want, logits)
+    assert len(terms) == 9  # row 0: labels 3-6; row 1: labels 1-6 but 5
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(grad, want_grad)
+    assert not grad[:, -1].any()
+
+
 # ---- order ----
 
 

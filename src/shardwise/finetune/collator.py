@@ -92,5 +92,10 @@ class Collator:
 def nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross entropy (fp32) of ``logits`` ``[rows, seq, vocab]`` against
     ``labels`` ``[rows, seq]`` (shifted here; ``IGNORE`` skipped)."""
-    shifted = logits[:, :-1].float().reshape(-1, logits.shape[-1])
-    return F.cross_entropy(shifted, labels[:, 1:].reshape(-1), ignore_index=IGNORE, reduction="sum")
+    # Shift the labels, not the logits: position t predicts label t + 1 and the last position
+    # predicts nothing (IGNORE). Slicing the logits instead would copy them (a non-contiguous
+    # view flattened), and its backward would allocate them twice more: rows x seq x vocab
+    # fp32 each time, the largest activation of a fine-tuning step.
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    return F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE, reduction="sum")

@@ -107,6 +107,7 @@ class ParamSchedule:
         self._saved_hooks: saved_tensors_hooks | None = None
         self._outer: tuple[Callable[..., Any], Callable[..., Any]] | None = None
         self._touched: set[int] = set()
+        self._frozen_behind: list[FlatParam] = []  # frozen buffers of the unit backward left
         self.uses = ExternalUses(self)
         hooked = dict(self._units)
         hooked.update(self._direct_modules(root, modules))
@@ -281,12 +282,29 @@ class ParamSchedule:
             return
         self._touched.add(id(module))
         needs = self._needs[id(module)]
+        self._release_frozen_behind(module, needs)
         for f in needs:
             f.gather(async_op=True)
         for f in needs:
             f.wait_gather()
         if id(module) in self._units:
             self._prefetch_after(module, backward=True)
+
+    def _release_frozen_behind(self, module: nn.Module, needs: list[FlatParam]) -> None:
+        """Backward reached ``module`` (needing ``needs``): the frozen buffers the unit it left
+        needed go back to their shards, unless this unit or one backward reaches later needs
+        them (a tied or root unit's; the prefetch would gather them again). Frozen buffers get
+        no gradients, so the reducer, which frees a buffer once its gradients are reduced,
+        never frees them: kept to the end of backward, a frozen base (LoRA) would be whole on
+        every rank by then. An unexpected later use gathers again (``_unpack``)."""
+        keep = set(needs)
+        if module in self.order:
+            later = self.order[: self.order.index(module)]  # backward runs the order reversed
+            keep.update(f for unit in later for f in self._needs[id(unit)])
+        for f in self._frozen_behind:
+            if f not in keep and f.state is ParamState.FULL and self._refs[f] == 0:
+                f.release()
+        self._frozen_behind = [f for f in needs if not f.trainable]
 
     def hold(self) -> None:
         """Gather every buffer now and keep it gathered through forward passes and backward
@@ -307,6 +325,7 @@ class ParamSchedule:
     def finish_backward(self, flats: list[FlatParam]) -> None:
         """After backward: every buffer back to its shard (none is in use by a forward)."""
         self._touched.clear()
+        self._frozen_behind = []
         for f in flats:
             if self._refs.get(f, 0) == 0:
                 f.release()
