@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from shardwise.finetune import demo, nll_sum
-from shardwise.finetune.model import build_model, check_model_dir, load_base_weights, load_tokenizer
-from shardwise.finetune.pipeline import load_training_data
+from shardwise.sft import demo, nll_sum
+from shardwise.sft.model import build_model, check_model_dir, load_base_weights, load_tokenizer
+from shardwise.sft.pipeline import load_training_data
 
 model_dir = demo.model_dir(Path("ft"), "llama")
 data = load_training_data(

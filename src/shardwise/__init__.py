@@ -6,6 +6,9 @@
 ``shardwise.checkpoint_format``; ``shardwise.checkpoint`` is activation checkpointing).
 """
 
+from pathlib import Path
+from typing import Any
+
 from shardwise import checkpoint as checkpoint_format
 from shardwise import (
     comm,
@@ -63,6 +66,25 @@ comm_links.use_discovery(discover)
 
 __version__ = "0.1.0"
 
+
+def finetune(model_dir: str | Path, data: str | Path, **options: Any) -> Path:
+    """Fine-tune the Hugging Face model in ``model_dir`` on ``data`` (JSONL or JSON) as
+    ``shardwise finetune MODEL_DIR --data DATA`` does: local ranks launched, waited for, and
+    the run directory returned. Each keyword is one of the command's options
+    (``lora="r=8,targets=q_proj,v_proj"``, ``steps=20``, ``packing=True``, ``run_dir=...``;
+    True for a flag, None or False to leave it out). The pieces for a loop of one's own are
+    in ``shardwise.sft``.
+
+    Raises:
+        ValueError: bad input (the command's one line), or the run failing.
+    """
+    # The command lives in the app; the facade reaches it only when called, so importing
+    # the library never imports the app (tests/unit/test_import_graph.py allows this edge).
+    from shardwise.cli.finetune_cmd import finetune as run
+
+    return run(model_dir, data, **options)
+
+
 __all__ = [
     "Axis",
     "CollectiveError",
@@ -97,6 +119,7 @@ __all__ = [
     "deferred_init",
     "device",
     "engine",
+    "finetune",
     "init",
     "initialize",
     "load_pretrained",

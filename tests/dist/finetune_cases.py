@@ -8,11 +8,11 @@ from pathlib import Path
 import torch
 
 import shardwise
-from shardwise.finetune.lora import LoraSpec, apply_lora, init_adapters
-from shardwise.finetune.model import build_model, check_model_dir, load_base_weights, load_tokenizer
-from shardwise.finetune.pipeline import load_training_data
-from shardwise.finetune.setup import build_finetune_model
-from shardwise.finetune.step import micro_losses
+from shardwise.sft.lora import LoraSpec, apply_lora, init_adapters
+from shardwise.sft.model import build_model, check_model_dir, load_base_weights, load_tokenizer
+from shardwise.sft.pipeline import load_training_data
+from shardwise.sft.setup import build_finetune_model
+from shardwise.sft.step import micro_losses
 from shardwise.mesh import Axis, Mesh
 
 LR = 1e-2  # large enough that the steps move the weights visibly

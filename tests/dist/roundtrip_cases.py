@@ -236,9 +236,9 @@ def lora_round_trip(model_dir: str, out: str, stage: int) -> dict:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from shardwise.finetune.base_weights import base_name, open_base_weights
-    from shardwise.finetune.lora import LoraSpec, adapter_init_fn, apply_lora
-    from shardwise.finetune.setup import check_base_weights
+    from shardwise.sft.base_weights import base_name, open_base_weights
+    from shardwise.sft.lora import LoraSpec, adapter_init_fn, apply_lora
+    from shardwise.sft.setup import check_base_weights
 
     meta = _meta("llama")
     check_base_weights(meta, Path(model_dir))  # every base tensor is there: strict on the base

@@ -18,7 +18,7 @@ import pytest
 import torch
 from launcher_procs import Cli, wait_ranks
 
-from shardwise.finetune import demo
+from shardwise.sft import demo
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 load_file, save_file = safetensors_torch.load_file, safetensors_torch.save_file
@@ -116,7 +116,7 @@ def test_killed_run_resumes_bitwise_and_outputs_reload(root: Path, how: tuple[st
     if how[0] == "--lora":
         from peft import PeftModel
 
-        from shardwise.finetune.lora import LoraSpec, apply_lora
+        from shardwise.sft.lora import LoraSpec, apply_lora
 
         # the checkpoint holds the adapters and their optimizer states, no base weight
         with CheckpointReader(step_dir, verify=False) as reader:
@@ -145,7 +145,7 @@ def test_lora_at_tp2_follows_dp2_and_its_outputs_reload(root: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from shardwise.checkpoint.tools import read_consolidated
-    from shardwise.finetune.lora import LoraSpec, apply_lora
+    from shardwise.sft.lora import LoraSpec, apply_lora
 
     args = (str(root / "llama"), "--data", str(root / "chat.jsonl"), "--lora", TP_LORA, *COMMON)
     args += ("--steps", "4", "--checkpoint-every", "4")
@@ -225,7 +225,7 @@ def test_demo_finetunes_and_generate_reads_runs_and_model_dirs(tmp_path: Path) -
 
 
 def test_finetune_function_refuses_bad_input_like_the_command(root: Path) -> None:
-    from shardwise.cli.finetune_cmd import finetune
+    from shardwise import finetune
 
     run = root / "bad-fn"
     with pytest.raises(ValueError, match="choose one of"):

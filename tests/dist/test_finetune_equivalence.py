@@ -9,7 +9,7 @@ from pathlib import Path
 import finetune_cases as fc
 import pytest
 
-from shardwise.finetune.demo import chat_records, model_dir, prompt_records, write_jsonl
+from shardwise.sft.demo import chat_records, model_dir, prompt_records, write_jsonl
 from shardwise.testing import run_on_ranks
 
 pytest.importorskip("peft")

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise.finetune.collator import Collator, nll_sum
-from shardwise.finetune.data import DataError, Example, read_dataset
-from shardwise.finetune.demo import (
+from shardwise.sft.collator import Collator, nll_sum
+from shardwise.sft.data import DataError, Example, read_dataset
+from shardwise.sft.demo import (
     chat_records,
     prompt_records,
     tiny_gpt2,
@@ -19,9 +19,9 @@ from shardwise.finetune.demo import (
     tokenizer,
     write_jsonl,
 )
-from shardwise.finetune.packing import block_causal_mask, pack, pack_rows, prepare
-from shardwise.finetune.render import IGNORE, Tokenized, render
-from shardwise.finetune.sampler import ExampleSampler
+from shardwise.sft.packing import block_causal_mask, pack, pack_rows, prepare
+from shardwise.sft.render import IGNORE, Tokenized, render
+from shardwise.sft.sampler import ExampleSampler
 
 # ---- reading ----
 
@@ -114,13 +114,13 @@ def test_chat_labels_equal_an_independent_masking_token_by_token() -> None:
 
 
 def read_record(record: dict) -> Example:
-    from shardwise.finetune.data import parse_record
+    from shardwise.sft.data import parse_record
 
     return parse_record(record)
 
 
 def test_messages_without_a_chat_template_are_refused() -> None:
-    from shardwise.finetune.render import check_tokenizer
+    from shardwise.sft.render import check_tokenizer
 
     with pytest.raises(DataError, match="no chat template"):
         check_tokenizer(tokenizer(chat=False), needs_chat=True)

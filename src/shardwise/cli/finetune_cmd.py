@@ -75,7 +75,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _demo(args: argparse.Namespace) -> None:
     """``--demo DIR``: write the demo model and data, and point the run at them."""
-    from shardwise.finetune import demo
+    from shardwise.sft import demo
 
     if args.model_dir is not None or args.data is not None:
         raise ValueError("--demo brings its own model and data: leave MODEL_DIR and --data out")
@@ -89,7 +89,7 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def _finetune_options(args: argparse.Namespace) -> Any:
-    from shardwise.finetune.options import FinetuneOptions
+    from shardwise.sft.options import FinetuneOptions
 
     if args.model_dir is None:
         raise ValueError("shardwise finetune needs MODEL_DIR, a Hugging Face model directory")
@@ -115,11 +115,11 @@ def _check_inputs(ft: Any, data: str, seq_len: int | None, tp: int) -> tuple[int
     import torch
     from transformers import AutoModelForCausalLM
 
-    from shardwise.finetune.lora import check_targets
-    from shardwise.finetune.model import check_model_dir, decoder_layer_classes, load_tokenizer
-    from shardwise.finetune.options import DEFAULT_SEQ_LEN
-    from shardwise.finetune.pipeline import load_training_data
-    from shardwise.finetune.setup import check_base_weights, check_lora_under_tp, tp_plan_of
+    from shardwise.sft.lora import check_targets
+    from shardwise.sft.model import check_model_dir, decoder_layer_classes, load_tokenizer
+    from shardwise.sft.options import DEFAULT_SEQ_LEN
+    from shardwise.sft.pipeline import load_training_data
+    from shardwise.sft.setup import check_base_weights, check_lora_under_tp, tp_plan_of
 
     config = check_model_dir(Path(ft.model_dir))
     context = getattr(config, "max_position_embeddings", None) or DEFAULT_SEQ_LEN

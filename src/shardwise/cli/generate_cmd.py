@@ -51,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_hf(args: argparse.Namespace) -> int:
-    from shardwise.finetune import generate
+    from shardwise.sft import generate
 
     loaded = generate.load(args.run_dir)
     text = generate.generate(
@@ -69,7 +69,7 @@ def _run_hf(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from shardwise.finetune.generate import finetune_options, is_model_dir
+    from shardwise.sft.generate import finetune_options, is_model_dir
     from shardwise.train.sampling import sample
 
     if args.tokens is not None and args.tokens > MAX_TOKENS:

@@ -12,14 +12,14 @@ from typing import Any
 import torch
 
 from shardwise.comm import ops
-from shardwise.finetune.collator import nll_sum
-from shardwise.finetune.generate import ADAPTER_DIR, MODEL_DIR
-from shardwise.finetune.model import load_tokenizer
-from shardwise.finetune.options import FinetuneOptions
-from shardwise.finetune.pipeline import TrainingData, load_training_data
-from shardwise.finetune.setup import FinetuneModel, build_finetune_model
-from shardwise.finetune.step import micro_losses
 from shardwise.hf.side_files import tokenizer_file_names
+from shardwise.sft.collator import nll_sum
+from shardwise.sft.generate import ADAPTER_DIR, MODEL_DIR
+from shardwise.sft.model import load_tokenizer
+from shardwise.sft.options import FinetuneOptions
+from shardwise.sft.pipeline import TrainingData, load_training_data
+from shardwise.sft.setup import FinetuneModel, build_finetune_model
+from shardwise.sft.step import micro_losses
 from shardwise.train.loop import Trainer
 from shardwise.train.parallel import BuiltModel
 

@@ -133,7 +133,7 @@ class RunConfig:
     launch: dict[str, Any] = field(default_factory=dict)
     """Launcher options (ranks per node, nodes), for the record."""
     finetune: dict[str, Any] | None = None
-    """A ``shardwise finetune`` run's options (``shardwise.finetune.options.FinetuneOptions``
+    """A ``shardwise finetune`` run's options (``shardwise.sft.options.FinetuneOptions``
     as a dict); None: a ``shardwise train`` run of the built-in GPT."""
 
     def __post_init__(self) -> None:

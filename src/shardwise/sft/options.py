@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardwise.finetune.lora import LoraSpec
+from shardwise.sft.lora import LoraSpec
 
 DEFAULT_SEQ_LEN = 512
 """Tokens per sequence unless ``--seq-len`` says otherwise (capped by the model's context)."""

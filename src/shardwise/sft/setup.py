@@ -16,14 +16,14 @@ import torch
 
 from shardwise import hf
 from shardwise.deferred import deferred_init
-from shardwise.finetune.base_weights import PEFT_PREFIX, open_base_weights
-from shardwise.finetune.lora import LoraSpec, adapter_init_fn, apply_lora
-from shardwise.finetune.model import build_model, check_model_dir, decoder_layer_classes
 from shardwise.mesh import Mesh
 from shardwise.parallel import plans
 from shardwise.parallel.parallelize import Parallelized, ParallelPlan, parallelize
 from shardwise.parallel.tensor.adapters import style_refusal
 from shardwise.parallel.tensor.plan import resolve
+from shardwise.sft.base_weights import PEFT_PREFIX, open_base_weights
+from shardwise.sft.lora import LoraSpec, adapter_init_fn, apply_lora
+from shardwise.sft.model import build_model, check_model_dir, decoder_layer_classes
 
 TP_PLANS = {"llama": plans.llama.tp_plan}
 """Model types with a tensor-parallel plan (``--tp`` refuses the others)."""

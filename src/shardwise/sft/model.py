@@ -16,7 +16,7 @@ from torch import nn
 
 from shardwise import hf
 
-log = logging.getLogger("shardwise.finetune")
+log = logging.getLogger("shardwise.sft")
 
 
 class ModelDirError(ValueError):

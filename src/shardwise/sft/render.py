@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shardwise.finetune.data import DataError, Example
+from shardwise.sft.data import DataError, Example
 
 IGNORE = -100
 """The label of a token without loss (``torch.nn.functional.cross_entropy``'s default)."""

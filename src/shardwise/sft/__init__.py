@@ -1,8 +1,9 @@
-"""Fine-tuning Hugging Face causal LMs: data, masking, packing, order, LoRA, and the run.
+"""Supervised fine-tuning of Hugging Face causal LMs: data, masking, packing, order, LoRA, and
+the run (``shardwise finetune``; ``shardwise.finetune(...)`` from Python).
 
 The pieces, composed in a loop of one's own::
 
-    from shardwise import finetune as ft
+    from shardwise import sft as ft
 
     data = ft.read_dataset("train.jsonl")                       # validated records
     examples = ft.prepare([ft.render(e, tok) for e in data.examples], seq_len=512).examples
@@ -16,11 +17,11 @@ Modules: ``data`` (readers, validation), ``render`` (chat templates, label maski
 ``collator`` (tensors, the loss), ``tokenizer`` (an offline BPE tokenizer).
 """
 
-from shardwise.finetune.collator import Batch, Collator, nll_sum
-from shardwise.finetune.data import DataError, Dataset, Example, parse_record, read_dataset
-from shardwise.finetune.packing import Prepared, block_causal_mask, pack, pack_rows, prepare
-from shardwise.finetune.render import IGNORE, Tokenized, check_tokenizer, pad_id, render
-from shardwise.finetune.sampler import ExampleSampler, single_rows
+from shardwise.sft.collator import Batch, Collator, nll_sum
+from shardwise.sft.data import DataError, Dataset, Example, parse_record, read_dataset
+from shardwise.sft.packing import Prepared, block_causal_mask, pack, pack_rows, prepare
+from shardwise.sft.render import IGNORE, Tokenized, check_tokenizer, pad_id, render
+from shardwise.sft.sampler import ExampleSampler, single_rows
 
 __all__ = [
     "IGNORE",

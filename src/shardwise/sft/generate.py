@@ -50,8 +50,8 @@ def _from_checkpoint(run: Path, ft: dict[str, Any]) -> Loaded:
 
     from shardwise.checkpoint import CheckpointError, CheckpointReader
     from shardwise.checkpoint.tools import read_consolidated
-    from shardwise.finetune.lora import LoraSpec, apply_lora
-    from shardwise.finetune.model import load_tokenizer
+    from shardwise.sft.lora import LoraSpec, apply_lora
+    from shardwise.sft.model import load_tokenizer
 
     base_dir = Path(ft["model_dir"])
     try:
@@ -75,7 +75,7 @@ def load(path: Path) -> Loaded:
     module docstring); ValueError for anything else."""
     from transformers import AutoModelForCausalLM
 
-    from shardwise.finetune.model import check_model_dir, load_tokenizer
+    from shardwise.sft.model import check_model_dir, load_tokenizer
 
     ft = finetune_options(path)
     if ft is None:

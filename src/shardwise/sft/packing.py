@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardwise.finetune.render import IGNORE, Tokenized
+from shardwise.sft.render import IGNORE, Tokenized
 
 
 @dataclass(frozen=True)

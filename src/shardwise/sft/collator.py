@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardwise.finetune.packing import block_causal_mask, pack
-from shardwise.finetune.render import IGNORE, Tokenized
+from shardwise.sft.packing import block_causal_mask, pack
+from shardwise.sft.render import IGNORE, Tokenized
 
 
 @dataclass(frozen=True)

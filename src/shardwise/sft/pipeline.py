@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardwise.finetune.collator import Batch, Collator
-from shardwise.finetune.data import DataError, read_dataset
-from shardwise.finetune.packing import pack_rows, prepare
-from shardwise.finetune.render import Tokenized, check_tokenizer, pad_id, render
-from shardwise.finetune.sampler import ExampleSampler, single_rows
+from shardwise.sft.collator import Batch, Collator
+from shardwise.sft.data import DataError, read_dataset
+from shardwise.sft.packing import pack_rows, prepare
+from shardwise.sft.render import Tokenized, check_tokenizer, pad_id, render
+from shardwise.sft.sampler import ExampleSampler, single_rows
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from shardwise.finetune.tokenizer import build_tokenizer
+from shardwise.sft.tokenizer import build_tokenizer
 
 WORDS = (
     "the quick brown fox jumps over the lazy dog while seven wizards quietly hex a jolly "

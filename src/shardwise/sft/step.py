@@ -14,7 +14,7 @@ import torch
 from shardwise.comm import ops
 from shardwise.comm.groups import Group
 from shardwise.engine.core import Engine
-from shardwise.finetune.collator import Batch, nll_sum
+from shardwise.sft.collator import Batch, nll_sum
 
 
 def global_label_count(batches: list[Batch], dp: Group) -> int:
