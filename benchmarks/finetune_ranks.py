@@ -131,15 +131,15 @@ def rows_of(step: int, rank: int, world: int, micro: int) -> list[int]:
 
 
 def _data(spec: dict[str, Any]) -> tuple[Any, Any]:
-    from shardwise.finetune.model import load_tokenizer
-    from shardwise.finetune.pipeline import load_training_data
+    from shardwise.sft.model import load_tokenizer
+    from shardwise.sft.pipeline import load_training_data
 
     tok = load_tokenizer(Path(spec["model_dir"]))
     return tok, load_training_data(spec["data"], tok, seq_len=spec["seq_len"], packing=False)
 
 
 def _lora(spec: dict[str, Any]) -> Any:
-    from shardwise.finetune.lora import LoraSpec
+    from shardwise.sft.lora import LoraSpec
 
     return LoraSpec.parse(spec["lora"]) if spec["lora"] else None
 
@@ -147,8 +147,8 @@ def _lora(spec: dict[str, Any]) -> Any:
 def run_shardwise(spec: dict[str, Any]) -> dict[str, Any]:
     """The fine-tune command's per-step path: meta build, streamed load, ``micro_losses``."""
     import shardwise
-    from shardwise.finetune.setup import build_finetune_model
-    from shardwise.finetune.step import micro_losses
+    from shardwise.sft.setup import build_finetune_model
+    from shardwise.sft.step import micro_losses
 
     rec = Record(spec)
     world = shardwise.init("gloo")
@@ -239,7 +239,7 @@ def run_trainer(spec: dict[str, Any]) -> dict[str, Any]:
     loads), LoRA through peft with the same adapters' initial values as shardwise."""
     from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, TrainingArguments
 
-    from shardwise.finetune.lora import apply_lora, init_adapters
+    from shardwise.sft.lora import apply_lora, init_adapters
 
     rec = Record(spec)
     system = spec["system"]

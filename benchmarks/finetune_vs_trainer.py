@@ -8,9 +8,9 @@ DeepSpeed ZeRO-3 (through accelerate) and over DDP, LoRA and full fine-tuning.
 
 One problem for every system: a Llama built from a config (``--model-size``: ``base`` 33.7 M
 parameters, ``medium`` 16.9 M, ``small`` 7.4 M for a quick check; ``--vocab`` rows, of which
-the offline BPE tokenizer ``shardwise.finetune.demo.tokenizer`` uses the first 320), saved with
+the offline BPE tokenizer ``shardwise.sft.demo.tokenizer`` uses the first 320), saved with
 ``save_pretrained`` into a temporary directory; a prompt/completion JSONL written here,
-rendered by ``shardwise.finetune`` (labels -100 on the prompt: loss on completions only), no
+rendered by ``shardwise.sft`` (labels -100 on the prompt: loss on completions only), no
 packing; 2 ranks on gloo, one thread each, ``--micro`` examples per rank (global batch 2 x
 micro), padded to the longest in the micro-batch; AdamW (lr 1e-4, weight decay 0, constant),
 fp32, no gradient clipping; LoRA r=16, alpha 32, no dropout on q, k, v, o (the adapters start
@@ -85,8 +85,8 @@ def write_model(root: Path, size: str, vocab: int) -> tuple[Path, dict[str, int]
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from shardwise.finetune import demo
-    from shardwise.finetune.lora import LoraSpec, apply_lora
+    from shardwise.sft import demo
+    from shardwise.sft.lora import LoraSpec, apply_lora
 
     hidden, inter, layers, heads = SIZES[size]
     tok = demo.tokenizer()
@@ -115,7 +115,7 @@ def write_model(root: Path, size: str, vocab: int) -> tuple[Path, dict[str, int]
 
 def write_data(path: Path, count: int) -> Path:
     """``count`` prompt/completion records, prompts of 30-69 words, completions of 15-44."""
-    from shardwise.finetune import demo
+    from shardwise.sft import demo
 
     records = [
         {
