@@ -50,6 +50,7 @@ def test_measured_init_peaks_within_the_costmodel_figures(stage):
 PAGE_SLACK = 4096 + 128  # a tensor of 128 KiB or more is its own mapping: page, header, alignment
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("pp", [2, 3])
 def test_pipeline_ranks_never_allocate_another_stage(pp):
     # the GPT recipe from a meta-built GPT (the README's and `train --pp`'s path): no rank ever
@@ -63,6 +64,7 @@ def test_pipeline_ranks_never_allocate_another_stage(pp):
         assert r["own"] + r["largest"] + slack < r["whole"]  # the figure tells the paths apart
 
 
+@pytest.mark.long
 def test_eager_pipeline_build_holds_the_whole_model_first():
     # the measure above, on the eager path: every rank held the whole GPT while it was split
     for r in run_on_ranks(2, bc.pipeline_stage_allocation, 2, False, timeout_s=300):

@@ -137,6 +137,7 @@ def test_killed_run_resumes_bitwise_and_outputs_reload(root: Path, how: tuple[st
         torch.testing.assert_close(loaded(x).logits, mine.eval()(x).logits, rtol=0, atol=1e-6)
 
 
+@pytest.mark.long
 def test_lora_at_tp2_follows_dp2_and_its_outputs_reload(root: Path) -> None:
     """``--lora --tp 2`` (adapters split with their layers) takes the steps of the same global
     batch at dp 2 (losses and gradient norms); the joined adapter loads in peft with the merged model's logits and the

@@ -66,6 +66,7 @@ def test_lora_dp1_tp2_equals_transformers(dirs) -> None:
     assert got[0] == pytest.approx(want, rel=1e-5)
 
 
+@pytest.mark.long
 def test_lora_dp2_tp2_zero3_equals_transformers(dirs) -> None:
     args = (str(dirs["llama"]), str(dirs["prompt"]), TP_LORA)
     got = run_on_ranks(4, fc.engine_losses, *args, tp=2, zero=3, timeout_s=300)
