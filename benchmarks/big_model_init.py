@@ -3,7 +3,7 @@ initialize + load, shardwise's streaming load beside today's path (the whole mod
 rank) and beside DeepSpeed ``zero.Init`` + ``GatheredParameters``.
 
     python benchmarks/big_model_init.py [--size big|tiny] [--dir DIR]
-        [--systems sw3,swtp,full,ds3] [--deepspeed-python /work/dsvenv/bin/python]
+        [--systems sw3,swtp,full,ds3,dshf] [--deepspeed-python /work/dsvenv/bin/python]
         [--rss-cap-gib 12] [--json out.json]
 
 The model: a Llama of ``--size`` (``big``: hidden 1024, 28 layers, intermediate 2816, vocab
@@ -20,7 +20,10 @@ the Llama tensor plan, then the same streamed ``initialize``; ``full`` today's p
 ``ds3`` DeepSpeed: ``LlamaForCausalLM(config)`` under ``deepspeed.zero.Init``, every parameter
 loaded through ``GatheredParameters([p], modifier_rank=0)`` with rank 0 reading the
 safetensors files one tensor at a time (DeepSpeed's documented recipe for pretrained weights
-under ``zero.Init``), then ``deepspeed.initialize`` at ZeRO-3 (run by ``--deepspeed-python``).
+under ``zero.Init``), then ``deepspeed.initialize`` at ZeRO-3 (run by ``--deepspeed-python``);
+``dshf`` the same through ``transformers``: ``from_pretrained`` while an ``HfDeepSpeedConfig``
+at ZeRO-3 lives (the ``Trainer``'s path: ``zero.Init`` build, each module's weights gathered
+with ``modifier_rank=0`` and loaded), then ``deepspeed.initialize``.
 
 Per rank (see ``big_model_ranks.py``): the baseline resident set before the model is built
 (after imports and the process group), the peak inside initialize + load (``VmHWM``, reset
@@ -63,6 +66,7 @@ SYSTEMS = {
     "swtp": "shardwise dp2 x tp2 ZeRO-1, streamed",
     "full": "today: from_pretrained on every rank + ZeRO-3",
     "ds3": "DeepSpeed zero.Init + GatheredParameters, ZeRO-3",
+    "dshf": "DeepSpeed via transformers from_pretrained (HfDeepSpeedConfig), ZeRO-3",
 }
 SIZES = {  # hidden, intermediate, layers, heads, vocab
     "tiny": (128, 344, 4, 4, 1024),
@@ -223,7 +227,11 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
         ranks = row["ranks"]
         errors = sorted({r["error"] for r in ranks if "error" in r})
         if errors:
-            lines.append(f"| {SYSTEMS[key]} | FAILED: {'; '.join(e[:300] for e in errors)} |")
+            lines.append(
+                f"| {SYSTEMS[key]} | FAILED: {'; '.join(e[:300] for e in errors)} (sampled "
+                f"VmRSS reached {max(row['sampled']) / MiB:,.0f} MiB on a rank, "
+                f"{row['together'] / GiB:.2f} GiB private memory together) |"
+            )
             continue
         peak = max(r["peak"] for r in ranks)
         share = max(r["peak"] - r["baseline"] for r in ranks)
@@ -238,7 +246,23 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
             f"{_cell(ranks, 'wall_s', 1, '.1f')} | "
             f"{'/'.join(str(c) for c in sorted(checks, key=str))} |"
         )
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *ratios(rows)])
+
+
+def ratios(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """Each system's peak and its peak above the baseline (the model's share) against
+    shardwise ZeRO-3's, the largest rank of each."""
+    ok = {k: r["ranks"] for k, r in rows.items() if not any("error" in x for x in r["ranks"])}
+    if "sw3" not in ok:
+        return []
+    peak = {k: max(x["peak"] for x in v) for k, v in ok.items()}
+    share = {k: max(x["peak"] - x["baseline"] for x in v) for k, v in ok.items()}
+    return [
+        f"{SYSTEMS[k]} / shardwise ZeRO-3: peak {peak[k] / peak['sw3']:.2f}x, above the "
+        f"baseline {share[k] / share['sw3']:.2f}x"
+        for k in ok
+        if k != "sw3"
+    ]
 
 
 def per_rank(rows: dict[str, dict[str, Any]]) -> str:
@@ -262,9 +286,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="big")
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "big_model_init")
-    ap.add_argument("--systems", default="sw3,swtp,full,ds3", help=f"from {','.join(SYSTEMS)}")
+    ap.add_argument("--systems", default="sw3,swtp,full,ds3,dshf", help=f"from {','.join(SYSTEMS)}")
     ap.add_argument("--deepspeed-python", default="/work/dsvenv/bin/python")
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per system")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per system")
     ap.add_argument("--rss-cap-gib", type=float, default=12.0, help="private memory, all ranks")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--write", type=Path, help=argparse.SUPPRESS)  # the child that writes
@@ -293,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows: dict[str, dict[str, Any]] = {}
     for system in args.systems:
-        py = args.deepspeed_python if system == "ds3" else sys.executable
+        py = args.deepspeed_python if system.startswith("ds") else sys.executable
         spec = {"system": system, "model_dir": str(path)}
         t = time.perf_counter()
         rows[system] = launch(py, spec, args.timeout, int(args.rss_cap_gib * GiB))

@@ -167,7 +167,9 @@ def ds_load(model: torch.nn.Module, model_dir: str) -> None:
 
 
 def run_deepspeed(spec: dict[str, Any]) -> dict[str, Any]:
-    """``ds3``: ``zero.Init`` build, per-parameter ``GatheredParameters`` load, then
+    """``ds3``: ``zero.Init`` build, per-parameter ``GatheredParameters`` load; ``dshf``:
+    ``transformers`` ``from_pretrained`` under ``HfDeepSpeedConfig`` at ZeRO-3 (what the
+    ``Trainer`` does: ``zero.Init`` build, each module's weights gathered and loaded); then
     ``deepspeed.initialize`` at ZeRO-3."""
     import deepspeed
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -176,10 +178,18 @@ def run_deepspeed(spec: dict[str, Any]) -> dict[str, Any]:
     deepspeed.init_distributed(dist_backend="gloo")
     config = LlamaConfig.from_pretrained(spec["model_dir"])
     cfg = ds_config()
+    hf_config = None
+    if spec["system"] == "dshf":  # from_pretrained partitions as it loads while this lives
+        from transformers.integrations import HfDeepSpeedConfig
+
+        hf_config = HfDeepSpeedConfig(cfg)
     with Window() as win:
-        with deepspeed.zero.Init(config_dict_or_path=cfg):
-            model = LlamaForCausalLM(config)
-        ds_load(model, spec["model_dir"])
+        if hf_config is not None:
+            model = LlamaForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+        else:
+            with deepspeed.zero.Init(config_dict_or_path=cfg):
+                model = LlamaForCausalLM(config)
+            ds_load(model, spec["model_dir"])
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     torch.set_num_threads(1)  # DeepSpeed's initialize may raise it
@@ -200,7 +210,7 @@ def run_deepspeed(spec: dict[str, Any]) -> dict[str, Any]:
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     torch.set_num_threads(1)
-    run = run_deepspeed if spec["system"] == "ds3" else run_shardwise
+    run = run_deepspeed if spec["system"].startswith("ds") else run_shardwise
     try:
         result = run(spec)
     except Exception as exc:  # reported in the table, not hidden
