@@ -91,7 +91,9 @@ def _shardwise_formula(engine: Any) -> dict[str, int]:
     return {"state": state, "largest": largest, "init_peak": mem["init_peak"]}
 
 
-def _shardwise_check(engine: Any, model_dir: str) -> bool | None:
+def _shardwise_check(engine: Any, model_dir: str, tp: Any = None) -> bool | None:
+    """Whether this rank holds ``CHECKED`` as the file has it: gathered over the ZeRO-3 group,
+    or (``tp``: the tensor-parallel group) its own slice along the split dimension."""
     named = dict(engine.module.named_parameters())
     key = next((n for n in named if n.endswith(CHECKED)), None)
     if key is None:
@@ -100,6 +102,9 @@ def _shardwise_check(engine: Any, model_dir: str) -> bool | None:
     with engine.gathered_parameters(p):
         got = p.detach().clone()
     want = _file_tensor(model_dir, CHECKED)
+    split = [d for d in range(want.dim()) if got.shape[d] != want.shape[d]]
+    if tp is not None and len(split) == 1:
+        want = want.chunk(tp.size, dim=split[0])[tp.rank]
     return got.shape == want.shape and torch.equal(got, want)
 
 
@@ -116,6 +121,7 @@ def run_shardwise(spec: dict[str, Any]) -> dict[str, Any]:
     shardwise.init("gloo")
     config = LlamaConfig.from_pretrained(spec["model_dir"])
     system, model_dir = spec["system"], spec["model_dir"]
+    mesh = shardwise.Mesh(dp=2, tp=2) if system == "swtp" else None
     with Window() as win:
         if system == "full":
             model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -126,13 +132,13 @@ def run_shardwise(spec: dict[str, Any]) -> dict[str, Any]:
                 model = LlamaForCausalLM(config)
             cfg = shardwise.Config(zero_stage=3 if system == "sw3" else 1)
             if system == "swtp":
-                mesh = shardwise.Mesh(dp=2, tp=2)
                 model = shardwise.parallelize(
                     model, mesh, ParallelPlan(tensor=plans.llama.tp_plan())
                 )
             engine = shardwise.initialize(model, _adamw, cfg, weights=model_dir)
             del model
-    check = _shardwise_check(engine, model_dir) if system != "swtp" else None
+    tp = mesh.group(shardwise.Axis.TP) if system == "swtp" else None
+    check = _shardwise_check(engine, model_dir, tp)
     return {**win.result(), **_shardwise_formula(engine), "check": check}
 
 
