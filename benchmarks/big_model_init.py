@@ -322,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         rows[system] = launch(py, spec, args.timeout, int(args.rss_cap_gib * GiB))
         print(f"{system}: {time.perf_counter() - t:.0f} s with start-up", flush=True)
+        print(table({system: rows[system]}).splitlines()[2], flush=True)
     load_end = os.getloadavg()
     print(
         f"\n# initialize + load at {WORLD} ranks (gloo, one thread each), fp32, AdamW; code "
