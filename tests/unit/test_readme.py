@@ -19,10 +19,10 @@ SUBPACKAGES = (
     "costmodel",
     "data",
     "engine",
-    "finetune",
     "models",
     "parallel",
     "recompute",
+    "sft",
     "topology",
     "zero",
 )
