@@ -49,7 +49,11 @@ def test_ci_runs_the_stress_tests_in_their_own_step() -> None:
     cmds = _ci_commands()
     step = "python3 -m pytest -q -m stress tests/dist/test_exit_stress.py"
     assert cmds.index(step) > cmds.index("python3 -m pytest -q")
-    assert "-m 'not stress'" in _pyproject()["tool"]["pytest"]["ini_options"]["addopts"]
+    assert (
+        "-m 'not stress and not long'" in _pyproject()["tool"]["pytest"]["ini_options"]["addopts"]
+    )
+    long_step = "python3 -m pytest -q -m long tests/dist"
+    assert cmds.index(long_step) > cmds.index("python3 -m pytest -q")
 
 
 def test_dev_extra_and_tool_config() -> None:
