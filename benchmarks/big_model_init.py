@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -53,9 +52,9 @@ from pathlib import Path
 from typing import Any
 
 from provenance import source_version
+from rank_launch import start_ranks
 
 HERE = Path(__file__).resolve().parent
-SRC = HERE.parent / "src"
 WORLD = 4
 MiB = 1 << 20
 GiB = 1 << 30
@@ -114,12 +113,6 @@ def model_dir(root: Path, size: str) -> tuple[Path, dict[str, Any]]:
     return out, json.loads(info.read_text())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _rss(pid: int) -> tuple[int, int]:
     """``VmRSS`` and ``RssAnon`` (private memory: file pages several ranks map count once in
     the machine's memory but in each one's ``VmRSS``) of process ``pid``, bytes."""
@@ -143,25 +136,7 @@ def _available() -> int:
 
 
 def _start(python: str, spec_path: Path, tmp: Path) -> list[tuple[subprocess.Popen, Any]]:
-    port = _free_port()
-    procs = []
-    for rank in range(WORLD):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(WORLD),
-            "LOCAL_WORLD_SIZE": str(WORLD),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "DS_ACCELERATOR": "cpu",
-            "PYTHONPATH": os.pathsep.join([str(SRC), str(HERE)]),
-        }
-        log = open(tmp / f"rank{rank}.log", "w")  # closed by launch
-        cmd = [python, str(HERE / "big_model_ranks.py"), str(spec_path)]
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=log), log))
-    return procs
+    return start_ranks(python, HERE / "big_model_ranks.py", spec_path, tmp, WORLD)
 
 
 def launch(python: str, spec: dict[str, Any], timeout_s: float, cap: int) -> dict[str, Any]:

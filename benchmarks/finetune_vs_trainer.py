@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,9 +53,9 @@ from pathlib import Path
 from typing import Any
 
 from provenance import source_version
+from rank_launch import start_ranks
 
 HERE = Path(__file__).resolve().parent
-SRC = HERE.parent / "src"
 WORLD = 2
 MiB = 1 << 20
 SYSTEMS = {
@@ -127,37 +126,16 @@ def write_data(path: Path, count: int) -> Path:
     return demo.write_jsonl(path, records)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(python: str, spec: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
     """Both ranks of one system as fresh processes; their results."""
     with tempfile.TemporaryDirectory(prefix="ft_bench_") as tmp:
         spec = {**spec, "out": tmp}
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(spec))
-        port = _free_port()
-        procs = []
-        for rank in range(WORLD):
-            env = {
-                **os.environ,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(WORLD),
-                "LOCAL_WORLD_SIZE": str(WORLD),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "OMP_NUM_THREADS": "1",
-                "DS_ACCELERATOR": "cpu",
-                "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONPATH": os.pathsep.join([str(SRC), str(HERE)]),
-            }
-            log = open(Path(tmp) / f"rank{rank}.log", "w")  # closed below
-            cmd = [python, str(HERE / "finetune_ranks.py"), str(spec_path)]
-            procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=log), log))
+        script = HERE / "finetune_ranks.py"
+        procs = start_ranks(
+            python, script, spec_path, Path(tmp), WORLD, TOKENIZERS_PARALLELISM="false"
+        )
         deadline = time.monotonic() + timeout_s
         codes = []
         for proc, log in procs:
