@@ -154,10 +154,10 @@ class Mesh:
     """Named axes over a world; it owns every group along any combination of its axes, and the
     counters (``stats``) that its groups' collectives record into (and into the world's).
 
-    All ranks construct it together: it forms the process groups of every combination of the
-    axes larger than one (torch forms groups collectively, so doing it here, on every rank in
-    the same order, keeps later lookups free of collective calls); a combination that differs
-    only by axes of size one is the same group.
+    It holds this rank's group along every combination of the axes larger than one (a
+    combination that differs only by axes of size one is the same group). Building it costs no
+    communication: each group's torch process group is formed on its first collective, by its
+    members alone, and meshes over the same ranks share it.
 
     Args:
         pp, dp, cp, tp: the size of each axis; one of them may be -1 (fill the world).
@@ -167,8 +167,8 @@ class Mesh:
             dp_shard``. Give both (dp may then be left out), or one to split a given dp.
             Default: flat, ``dp_shard = dp``.
         world: the ranks it spans: a World, a Group of one (a sub-world: mesh rank i is the
-            group's rank i; every rank of the world still constructs the mesh, since torch
-            forms groups with all ranks, and a rank outside the group holds no groups), or
+            group's rank i; a rank outside the group holds no groups and need not build the
+            mesh, except on MPI, where every rank of the world forms every group), or
             the current world (default, ``shardwise.init()``).
         world_size: only check the sizes against this many ranks, forming no groups (a mesh
             that cannot communicate; for planning).
@@ -304,17 +304,26 @@ class Mesh:
         return out
 
     def _form_groups(self) -> None:
+        """This rank's group along every combination of the axes larger than one. Its torch
+        group is formed on its first collective, by its members alone
+        (``World.group_on_use``), so building a mesh costs no communication and a rank
+        outside it need not build it; on MPI every rank forms every group here, in one order."""
         big = [a for a in AXIS_ORDER if self.axis_sizes[a] > 1]
         me = self.world.rank
+        everyone = self.world.backend == "mpi"  # no group-local formation there
         if self.is_member:
             self._groups[()] = self.world.new_group([me], name="self", stats=self.stats)
         for k in range(1, len(big) + 1):
             for axes in itertools.combinations(big, k):
                 for ranks in self._partition(axes):
                     ranks = tuple(self.members[r] for r in ranks)  # mesh ranks -> world ranks
-                    g = self.world.new_group(ranks, name="+".join(axes), stats=self.stats)
-                    if me in ranks:
-                        self._groups[axes] = g
+                    name = "+".join(axes)
+                    if everyone:
+                        g = self.world.new_group(ranks, name=name, stats=self.stats)
+                        if me in ranks:
+                            self._groups[axes] = g
+                    elif me in ranks:
+                        self._groups[axes] = self.world.group_on_use(ranks, name, self.stats)
 
     def group(self, *axes: str | Axis) -> Group:
         """The group of this rank's peers along ``axes`` (e.g. ``mesh.group("dp", "tp")``,

@@ -205,12 +205,13 @@ def task_grads_dp(schedule: str, m: int, n_blocks: int) -> dict:
 
 def task_on_subworlds(n_blocks: int) -> dict:
     """Two pipelines at once on a 4-rank world: 1F1B (m=4) on world ranks (3, 1) as pp ranks
-    (0, 1), GPipe (m=2) on (0, 2). Every rank forms every group and mesh; each pair trains its
-    own. Then a pp=3 mesh over ranks (0, 1, 2) tying its first and last stage is refused."""
+    (0, 1), GPipe (m=2) on (0, 2). Every rank forms both pairs and builds both meshes; each pair
+    trains its own. Then ranks (0, 1, 2) alone build a pp=3 mesh whose first and last stages
+    tie the embedding (a tied group over ranks 0 and 2, formed by them on first use), and
+    train it; rank 3 never builds it."""
     world = shardwise.comm.current()
     pairs = [world.new_group([3, 1], name="pair-a"), world.new_group([0, 2], name="pair-b")]
     meshes = [shardwise.Mesh(pp=2, dp=1, world=g) for g in pairs]
-    three = shardwise.Mesh(pp=3, dp=1, world=world.new_group([0, 1, 2], name="three"))
     which = 0 if world.rank in (1, 3) else 1
     mesh = meshes[which]
     schedule, m = ("1f1b", 4) if which == 0 else ("gpipe", 2)
@@ -223,9 +224,11 @@ def task_on_subworlds(n_blocks: int) -> dict:
         "grads": grads_of(pipe),
         "stats": shardwise.comm_stats(),
     }
-    if world.rank in three.members:
-        try:
-            PipelineModule(layers(n_blocks), lm_loss, three, "uniform", seed=SEED)
-        except ValueError as exc:
-            out["refused"] = str(exc)
+    if world.rank < 3:
+        three = shardwise.Mesh(
+            pp=3, dp=1, world=world.group_on_use([0, 1, 2], "three", world.stats)
+        )
+        pipe3 = PipelineModule(layers(n_blocks), lm_loss, three, "uniform", seed=SEED)
+        loss3 = PipelineExecutor(pipe3, "gpipe", microbatches=2).train_batch(*batch(8))
+        out["three"] = {"loss": loss3.item(), "grads": grads_of(pipe3)}
     return out

@@ -96,3 +96,48 @@ def test_a_new_axis_is_generic():
         assert groups["dp+cp"] == [r % 2 + 2 * i for i in range(4)]
         assert groups["dp_shard"] == [r % 4, r % 4 + 4]
         assert groups["pp"] == [r]
+
+
+def _torch_groups() -> int:
+    from torch.distributed import distributed_c10d
+
+    return len(distributed_c10d._world.pg_map)
+
+
+def _on_use_task():
+    from shardwise.comm.current_world import current
+
+    world, r = current(), shardwise.rank()
+    before = _torch_groups()
+    mesh = shardwise.Mesh(dp=2, tp=2)
+    built = _torch_groups() - before  # building the mesh formed nothing
+    tp_sum = shardwise.all_reduce(torch.tensor([float(r)]), group=mesh.group("tp")).item()
+    after_tp = _torch_groups() - before  # this rank's tp group, on its first collective
+    again = shardwise.Mesh(dp=2, tp=2)  # a second mesh over the same ranks shares it
+    shardwise.all_reduce(torch.tensor([1.0]), group=again.group("tp"))
+    shared = _torch_groups() - before
+    # only ranks 0 and 1 build a mesh over themselves and talk in it; 2 and 3 never call
+    half = None
+    if r < 2:
+        half = world.group_on_use([0, 1], "half", world.stats)
+        sub = shardwise.Mesh(tp=2, world=half)
+        half_sum = shardwise.all_reduce(torch.tensor([10.0 + r]), group=sub.group("tp")).item()
+    else:
+        half_sum = None
+    total = shardwise.all_reduce(torch.tensor([1.0]), group=world.group).item()
+    return built, tp_sum, after_tp, shared, half_sum, total
+
+
+def test_groups_are_formed_on_first_use_by_their_members_alone():
+    """Building a mesh forms no torch group; a group's first collective forms it among its
+    members alone, meshes over the same ranks share it, and ranks outside a sub-world mesh
+    never build it while the others use it. The second run forms the groups again after the
+    pool destroyed the first run's (the same ranks, a new torch group)."""
+    results = run_on_ranks(4, _on_use_task) + run_on_ranks(4, _on_use_task)
+    for i, (built, tp_sum, after_tp, shared, half_sum, total) in enumerate(results):
+        r = i % 4
+        assert built == 0
+        assert tp_sum == 2 * (r - r % 2) + 1
+        assert after_tp <= 1 and shared == after_tp  # 0 when an earlier test formed it
+        assert half_sum == (21.0 if r < 2 else None)
+        assert total == 4.0

@@ -12,12 +12,15 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import itertools
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from shardwise.comm import local_group
 from shardwise.comm.allreduce_rounds import GroupLinks
 from shardwise.comm.stats import CommStats
 from shardwise.comm.trace import Tracer, debug_from_env
@@ -69,6 +72,10 @@ class World:
         self._pg_link = self._link(pg)
         # Measured links by group ranks, for the public all_reduce's "auto" (``comm.links``).
         self.measured_links: dict[tuple[int, ...], GroupLinks] = {}
+        # Groups formed on first use, by (sorted ranks, timeout): torch names such a group by
+        # a hash of its ranks and refuses a second one, so meshes over the same ranks share it.
+        self._on_use: dict[tuple[tuple[int, ...], float], _Link] = {}
+        self._forming = threading.Lock()
         self.group = Group(
             self._pg_link,
             tuple(range(world_size)),
@@ -96,7 +103,7 @@ class World:
         for link in self._links:
             if link.pg is not None:
                 held[id(link.pg)] = link.pg
-            link.pg, link.released = None, True
+            link.pg, link.form, link.released = None, None, True
         return list(held.values())
 
     def debug_enabled(self) -> bool:
@@ -151,6 +158,33 @@ class World:
         link = self._link(pg if self.rank in ranks else None)
         return Group(link, ranks, name, timeout, self, stats)
 
+    def group_on_use(
+        self,
+        ranks: list[int] | tuple[int, ...],
+        name: str,
+        stats: CommStats,
+        timeout_s: float | None = None,
+    ) -> Group:
+        """A group of ``ranks`` whose torch group is formed on its first collective, by its
+        members alone (``comm.local_group``): no other rank of the world calls this. Every
+        member forms it when it first communicates in it, which they must all do anyway, and
+        groups of this world over the same ranks share one torch group. Where groups cannot
+        form among their members alone (MPI; a default group bound to a device) every rank of
+        the world must call this, in the same order, and the group is formed at once."""
+        ranks = tuple(int(r) for r in ranks)
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        whole = len(ranks) == self.world_size and timeout == self.timeout_s
+        if len(ranks) == 1 or whole or not local_group.can_form_locally(self.backend):
+            return self.new_group(ranks, timeout_s=timeout, name=name, stats=stats)
+        if self.rank not in ranks:
+            return Group(self._link(None), ranks, name, timeout, self, stats)
+        key = (tuple(sorted(ranks)), timeout)
+        link = self._on_use.get(key)
+        if link is None or (link.pg is not None and not local_group.is_live(link.pg)):
+            link = self._on_use[key] = self._link(None)
+            link.form = lambda: local_group.form_among_members(key[0], timeout)
+        return Group(link, ranks, name, timeout, self, stats)
+
     def adopt(self, pg: ProcessGroup) -> Group:
         """A group over a torch process group formed elsewhere (its ranks must be this world's)."""
         ranks = tuple(dist.get_process_group_ranks(pg))
@@ -171,6 +205,7 @@ class _Link:
 
     pg: ProcessGroup | None
     released: bool = False
+    form: Callable[[], ProcessGroup] | None = None  # set: formed on first use (``group_on_use``)
 
 
 @dataclass
@@ -205,7 +240,8 @@ class Group:
 
     @property
     def pg(self) -> ProcessGroup | None:
-        """torch's process group (None: this rank is not a member, or the group has one rank).
+        """torch's process group (None: this rank is not a member, or the group has one rank);
+        a group from ``World.group_on_use`` is formed here, on its first collective.
 
         Raises:
             RuntimeError: the world this group belongs to has ended (``shardwise.shutdown()``).
@@ -215,6 +251,10 @@ class Group:
                 f"{self!r}: its world has ended (shardwise.shutdown() or the end of the process);"
                 " call shardwise.init() and build groups and engines anew"
             )
+        if self.link.form is not None:
+            with self.world._forming:  # one formation, even with a writer thread beside
+                if self.link.form is not None:
+                    self.link.pg, self.link.form = self.link.form(), None
         return self.link.pg
 
     @property

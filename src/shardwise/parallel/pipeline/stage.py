@@ -250,8 +250,8 @@ class PipelineModule(nn.Module):
 
     def _form_tied_groups(self) -> dict[str, comm.Group]:
         """A tied module on every pp rank sums over the pp group. One on some pp ranks gets a
-        group per coordinate off the pp axis, which every rank of the world forms (torch's
-        rule), in the same order: so only on a mesh over the whole world."""
+        group of its holders per coordinate off the pp axis, formed on its first collective by
+        those holders alone (on MPI, by every rank of the world: only on a mesh over it)."""
         mine: dict[str, comm.Group] = {}
         me, members = self.mesh.world.rank, self.mesh.members
         for key in sorted(self._tied_first):
@@ -261,7 +261,8 @@ class PipelineModule(nn.Module):
             if len(holders) == self.pp_size:
                 mine[key] = self.pp_group
                 continue
-            if len(members) != self.mesh.world.world_size:
+            everyone = self.mesh.world.backend == "mpi"  # no group-local formation there
+            if everyone and len(members) != self.mesh.world.world_size:
                 raise ValueError(
                     f"tied module {key!r} is held by pp ranks {holders} of {self.pp_size}: its "
                     f"group needs every rank of the world, but the mesh covers ranks "
@@ -270,9 +271,10 @@ class PipelineModule(nn.Module):
                 )
             for stages in self.mesh.partition(Axis.PP):  # one per coordinate off the pp axis
                 ranks = [members[stages[pp]] for pp in holders]
-                g = self.mesh.world.new_group(ranks, name=f"tied-{key}", stats=self.mesh.stats)
-                if me in ranks:
-                    mine[key] = g
+                if me in ranks or everyone:
+                    g = self.mesh.world.group_on_use(ranks, f"tied-{key}", self.mesh.stats)
+                    if me in ranks:
+                        mine[key] = g
         return mine
 
     def _broadcast_tied(self) -> None:
