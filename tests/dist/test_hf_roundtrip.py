@@ -19,6 +19,7 @@ CASES = [
     ("llama", "pp2"),
     ("gpt2", "one"),
     ("gpt2", "dp2_zero3"),
+    ("gpt2", "dp2_tp2"),
     ("gpt2", "pp2"),
 ]
 

@@ -27,7 +27,13 @@ from shardwise.parallel.placement import (
 from shardwise.zero.param_layout import ParamLayout
 
 ExtraStyles = Callable[[str, nn.Parameter], Mapping[str | Axis, Style]]
-_SPLIT_LAYERS = ("ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding")
+_SPLIT_LAYERS = (
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "ColumnParallelConv1D",
+    "RowParallelConv1D",
+    "VocabParallelEmbedding",
+)
 
 
 class EnginePlacements:
