@@ -72,7 +72,7 @@ def reference(kind: str, dp: int) -> tuple[list[float], dict[str, torch.Tensor]]
         loss = sum(model(c, labels=c).loss for c in tokens(step, kind).chunk(dp)) / dp
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, {n: t.detach().clone() for n, t in model.state_dict().items()}
 
 
@@ -232,6 +232,26 @@ def round_trip(kind: str, layout: str, model_dir: str, out: str) -> dict:
         _close(reloaded.state_dict(), trained, **WEIGHT_TOL)
     shardwise.comm.barrier(group=world)
     return {"losses": losses, "want": want_losses, "loaded": loaded, "logits": logits is not None}
+
+
+def save_trained(kind: str, layout: str, model_dir: str, root: str) -> list[float]:
+    """``STEPS - 1`` steps at ``layout``, then a checkpoint in ``root``; this rank's losses."""
+    engine = build(kind, layout, model_dir)
+    losses = [_train_step(engine, s, False, kind) for s in range(STEPS - 1)]
+    engine.save(root)
+    return losses
+
+
+def load_and_finish(kind: str, layout: str, model_dir: str, root: str) -> dict:
+    """A fresh engine at ``layout`` loads the checkpoint and takes the last step: its weights
+    (and optimizer moments) came back whole when it ends at the reference's weights."""
+    engine = build(kind, layout, model_dir)
+    engine.load(root)
+    assert engine.global_step == STEPS - 1
+    loss = _train_step(engine, STEPS - 1, False, kind)
+    _, trained = reference(kind, 2)  # the checkpoint's steps ran at dp2
+    _close(_plain_state(engine), trained, **WEIGHT_TOL)
+    return {"loss": loss, "dp": _dp(engine)[1]}
 
 
 def lora_round_trip(model_dir: str, out: str, stage: int) -> dict:
