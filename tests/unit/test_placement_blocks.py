@@ -1,6 +1,6 @@
 """A split of k equal blocks (a fused q|k|v): a rank's pieces, the boxes it streams from a
 safetensors file, its checkpoint boxes, and the plan checks around it (no process group: the
-placements are built by hand; the gathers run in tests/dist/test_placement_blocks.py)."""
+placements are built by hand; the gathers run in tests/dist/test_blocked_gather.py)."""
 
 from __future__ import annotations
 
