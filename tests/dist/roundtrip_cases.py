@@ -31,13 +31,17 @@ WEIGHT_TOL = {"rtol": 1e-5, "atol": 1e-5}
 noise (~1e-10, the softmax ignores them), which AdamW turns into updates of about
 lr * |g| / eps ~ 1e-5 * lr, different for each summation order; 1e-5 absolute is 1% of lr."""
 SHARD = "20KB"  # several output files
+GPT2_VOCAB = 95
+"""Odd: under tp2 the vocabulary-split embedding and its tied head are padded."""
+VOCABS = {"llama": hf_models.VOCAB, "gpt2": GPT2_VOCAB}
+TP_PLANS = {"llama": plans.llama.tp_plan, "gpt2": plans.gpt2.tp_plan}
 
 
 def source_model(kind: str):  # -> the transformers model the directory is saved from
     """The tiny Llama or GPT-2 (seed 0), dropout off so training is deterministic."""
     if kind == "llama":
         return hf_models.tiny_llama(seed=0)
-    model = hf_models.tiny_gpt2(seed=0)
+    model = hf_models.tiny_gpt2(seed=0, vocab=GPT2_VOCAB)
     for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
         setattr(model.config, key, 0.0)
     torch.manual_seed(0)
@@ -48,9 +52,9 @@ def write_source(kind: str, path: str) -> None:
     hf_models.save(source_model(kind), Path(path), max_shard_size=SHARD)
 
 
-def tokens(step: int) -> torch.Tensor:
+def tokens(step: int, kind: str = "llama") -> torch.Tensor:
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randint(0, hf_models.VOCAB, (4, 9), generator=g)
+    return torch.randint(0, VOCABS[kind], (4, 9), generator=g)
 
 
 def _adamw(params):  # type: ignore[no-untyped-def]
@@ -65,10 +69,10 @@ def reference(kind: str, dp: int) -> tuple[list[float], dict[str, torch.Tensor]]
     losses = []
     for step in range(STEPS):
         opt.zero_grad()
-        loss = sum(model(c, labels=c).loss for c in tokens(step).chunk(dp)) / dp
+        loss = sum(model(c, labels=c).loss for c in tokens(step, kind).chunk(dp)) / dp
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, {n: t.detach().clone() for n, t in model.state_dict().items()}
 
 
@@ -128,14 +132,15 @@ def _meta(kind: str):  # type: ignore[no-untyped-def]
 
 def build(kind: str, layout: str, model_dir: str):  # type: ignore[no-untyped-def]
     """The engine over a meta-built ``kind`` streamed from ``model_dir`` at ``layout``:
-    ``one`` (one process), ``dp2_zero3``, ``dp2_tp2`` (ZeRO-3 over dp) or ``pp2``."""
+    ``one`` (one process), ``dp2_zero3``, ``dp2_tp2`` (ZeRO-3 over dp; the model type's
+    tensor-parallel plan) or ``pp2``."""
     meta = _meta(kind)
     if layout in ("one", "dp2_zero3"):
         cfg = shardwise.Config(zero_stage=0 if layout == "one" else 3)
         return shardwise.initialize(meta, _adamw, cfg, weights=model_dir)
     if layout == "dp2_tp2":
         mesh = Mesh(dp=2, tp=2)
-        par = shardwise.parallelize(meta, mesh, ParallelPlan(tensor=plans.llama.tp_plan()))
+        par = shardwise.parallelize(meta, mesh, ParallelPlan(tensor=TP_PLANS[kind]()))
         return shardwise.initialize(par, _adamw, shardwise.Config(zero_stage=3), weights=model_dir)
     assert layout == "pp2", layout
     mesh = Mesh(pp=2, dp=1)
@@ -153,9 +158,9 @@ def _dp(engine) -> tuple[int, int]:  # type: ignore[no-untyped-def]
     return mesh.rank(Axis.DP), mesh.dp_size
 
 
-def _train_step(engine, step: int, pipelined: bool) -> float:  # type: ignore[no-untyped-def]
+def _train_step(engine, step: int, pipelined: bool, kind: str = "llama") -> float:  # type: ignore[no-untyped-def]
     me, dp = _dp(engine)
-    x = tokens(step).chunk(dp)[me]
+    x = tokens(step, kind).chunk(dp)[me]
     if pipelined:  # targets shifted by hand, as the model's own loss shifts them
         return float(engine.train_batch(x[:, :-1], x[:, 1:]))
     engine.train()
@@ -212,9 +217,9 @@ def round_trip(kind: str, layout: str, model_dir: str, out: str) -> dict:
     loaded = _close(_plain_state(engine), source.state_dict(), rtol=0, atol=1e-6)
     _, dp = _dp(engine)
     want_losses, trained = reference(kind, dp)
-    losses = [_train_step(engine, s, layout == "pp2") for s in range(STEPS)]
+    losses = [_train_step(engine, s, layout == "pp2", kind) for s in range(STEPS)]
     _close(_plain_state(engine), trained, **WEIGHT_TOL)
-    x = tokens(STEPS)
+    x = tokens(STEPS, kind)
     logits = _logits(engine, x, width)
     engine.save_pretrained(out, SHARD, config=source.config)
     world = shardwise.comm.resolve(None)
@@ -227,6 +232,26 @@ def round_trip(kind: str, layout: str, model_dir: str, out: str) -> dict:
         _close(reloaded.state_dict(), trained, **WEIGHT_TOL)
     shardwise.comm.barrier(group=world)
     return {"losses": losses, "want": want_losses, "loaded": loaded, "logits": logits is not None}
+
+
+def save_trained(kind: str, layout: str, model_dir: str, root: str) -> list[float]:
+    """``STEPS - 1`` steps at ``layout``, then a checkpoint in ``root``; this rank's losses."""
+    engine = build(kind, layout, model_dir)
+    losses = [_train_step(engine, s, False, kind) for s in range(STEPS - 1)]
+    engine.save(root)
+    return losses
+
+
+def load_and_finish(kind: str, layout: str, model_dir: str, root: str) -> dict:
+    """A fresh engine at ``layout`` loads the checkpoint and takes the last step: its weights
+    (and optimizer moments) came back whole when it ends at the reference's weights."""
+    engine = build(kind, layout, model_dir)
+    engine.load(root)
+    assert engine.global_step == STEPS - 1
+    loss = _train_step(engine, STEPS - 1, False, kind)
+    _, trained = reference(kind, 2)  # the checkpoint's steps ran at dp2
+    _close(_plain_state(engine), trained, **WEIGHT_TOL)
+    return {"loss": loss, "dp": _dp(engine)[1]}
 
 
 def lora_round_trip(model_dir: str, out: str, stage: int) -> dict:

@@ -66,6 +66,19 @@ def test_lora_dp1_tp2_equals_transformers(dirs) -> None:
     assert got[0] == pytest.approx(want, rel=1e-5)
 
 
+@pytest.mark.parametrize("lora", [None, "r=4,alpha=8,dropout=0.0,targets=c_fc,c_proj"])
+def test_gpt2_dp1_tp2_equals_transformers(dirs, lora) -> None:
+    """GPT-2's plan: the fused c_attn split by heads of q, k and v, the Conv1D layers split
+    along their stored [in, out] dims, the tied head over a padded vocabulary split; LoRA on
+    the Conv1D layers split with their bases."""
+    args = (str(dirs["gpt2"]), str(dirs["chat"]), lora)
+    got = run_on_ranks(2, fc.engine_losses, *args, tp=2, zero=0, accum=4, timeout_s=300)
+    want, _ = fc.reference_losses(*args, dp=1, accum=4)
+    assert got[0] == got[1]
+    assert got[0] != pytest.approx(got[0][0])
+    assert got[0] == pytest.approx(want, rel=1e-5)
+
+
 @pytest.mark.long
 def test_lora_dp2_tp2_zero3_equals_transformers(dirs) -> None:
     args = (str(dirs["llama"]), str(dirs["prompt"]), TP_LORA)

@@ -19,6 +19,7 @@ CASES = [
     ("llama", "pp2"),
     ("gpt2", "one"),
     ("gpt2", "dp2_zero3"),
+    ("gpt2", "dp2_tp2"),
     ("gpt2", "pp2"),
 ]
 
@@ -47,6 +48,20 @@ def test_round_trip(source_dirs, tmp_path, kind, layout):
         assert mean == pytest.approx(want[step], rel=1e-5)
     assert all(r["loaded"] > 0 for r in rows)
     assert any(r["logits"] for r in rows)
+
+
+@pytest.mark.parametrize("layout", ["one", "dp2_tp2"])
+def test_gpt2_checkpoint_saved_at_dp2_tp2_loads_at(source_dirs, tmp_path, layout):
+    """Its fused c_attn pieces (each rank's heads of q, k and v) are saved where they belong
+    in the whole tensor and read back at another layout and at the same one."""
+    root = str(tmp_path / "ckpt")
+    run_on_ranks(4, rc.save_trained, "gpt2", "dp2_tp2", source_dirs["gpt2"], root, timeout_s=300)
+    rows = run_on_ranks(
+        WORLD[layout], rc.load_and_finish, "gpt2", layout, source_dirs["gpt2"], root, timeout_s=300
+    )
+    want = rc.reference("gpt2", 2)[0][rc.STEPS - 1]
+    mean = sum(r["loss"] for r in rows) / len(rows)  # each rank's loss is its dp share's
+    assert mean == pytest.approx(want, rel=1e-5)
 
 
 @pytest.mark.parametrize("stage", [0, 3])

@@ -28,11 +28,11 @@ def tiny_llama(tie: bool = False, seed: int = 0, layers: int = 2):  # -> LlamaFo
     return LlamaForCausalLM(config).eval()
 
 
-def tiny_gpt2(seed: int = 0):  # -> GPT2LMHeadModel (ties lm_head to wte)
+def tiny_gpt2(seed: int = 0, vocab: int = VOCAB):  # -> GPT2LMHeadModel (ties lm_head to wte)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         n_embd=32,
         n_layer=2,
         n_head=4,

@@ -27,7 +27,13 @@ from shardwise.parallel.placement import (
 from shardwise.zero.param_layout import ParamLayout
 
 ExtraStyles = Callable[[str, nn.Parameter], Mapping[str | Axis, Style]]
-_SPLIT_LAYERS = ("ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding")
+_SPLIT_LAYERS = (
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "ColumnParallelConv1D",
+    "RowParallelConv1D",
+    "VocabParallelEmbedding",
+)
 
 
 class EnginePlacements:
@@ -134,10 +140,9 @@ class EnginePlacements:
             inside = set(zero_group(p).ranks)
             copies = [g for g in copies if not set(g.ranks) <= inside]
             if where.shards or copies or not where.first_holder:
-                offsets, real = where.real_box()
                 writes = all(g.rank == 0 for g in copies) and where.first_holder
                 out[id(p)] = ParamLayout(
-                    tuple(p.shape), offsets, real, where.full_shape, writes=writes
+                    tuple(p.shape), tuple(where.real_pieces()), where.full_shape, writes=writes
                 )
         return out
 

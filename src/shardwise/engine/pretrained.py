@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from shardwise.checkpoint.entries import flat_range_boxes
+from shardwise.checkpoint.entries import flat_range_boxes, intersect, local_slices
 from shardwise.checkpoint.layout import MANIFEST_NAME
 from shardwise.comm import objects
 from shardwise.comm.groups import Group
@@ -123,27 +123,21 @@ def read_local(
 ) -> torch.Tensor:
     """Elements ``[start, stop)`` of this rank's flattened local tensor of ``where`` (its tp
     slice, zero padding past the whole tensor's end), read from stored tensor ``key`` as
-    ``dtype``. Only elements inside the range and the whole tensor are read."""
+    ``dtype``. Only elements inside the range and the whole tensor are read: one box per piece
+    of the rank's slice (several for a blocked split, e.g. its heads of q, of k and of v)."""
     local = where.local_shape()
-    offsets, real = where.real_box()
+    pieces = where.real_pieces()
     out = torch.zeros(stop - start, dtype=dtype)
-    for (lo, shape), pos in flat_range_boxes(local, start, stop):
-        hi = [min(a + s, r) for a, s, r in zip(lo, shape, real)]
-        if any(h <= a for h, a in zip(hi, lo)):
-            continue  # padding only
-        got = source.read_box(
-            key,
-            tuple(o + a for o, a in zip(offsets, lo)),
-            tuple(h - a for h, a in zip(hi, lo)),
-            None,
-        )
-        peak.note(out.nbytes + 2 * got.nbytes)
-        n = math.prod(shape)
-        if tuple(got.shape) == tuple(shape):
-            out[pos - start : pos - start + n].copy_(got.reshape(-1))
-        else:  # the box reaches into padding: place the real part, the rest stays zero
-            box = out[pos - start : pos - start + n].view(shape)
-            box[tuple(slice(0, h - a) for h, a in zip(hi, lo))].copy_(got)
+    for box, pos in flat_range_boxes(local, start, stop):
+        values = out[pos - start : pos - start + math.prod(box[1])].view(box[1])
+        for at, whole, size in pieces:
+            part = intersect(box, (at, size))
+            if part is None:
+                continue  # padding, or another block
+            offsets = tuple(w + p - a for w, p, a in zip(whole, part[0], at))
+            got = source.read_box(key, offsets, part[1], None)
+            peak.note(out.nbytes + 2 * got.nbytes)
+            values[local_slices(part, box)].copy_(got)
     return out
 
 

@@ -4,7 +4,9 @@ Along each mesh axis a parameter is either
 
 - ``Shard(dim)``: split along tensor dim ``dim``, axis rank i holding the i-th of ``size``
   equal pieces (``full_size``: the unpadded length when the pieces are zero-padded at the end,
-  a vocabulary that does not divide by tp);
+  a vocabulary that does not divide by tp); ``Shard(dim, blocks=k)``: the dim is k equal
+  consecutive blocks (a fused q|k|v projection), each split so, rank i holding the i-th piece
+  of every block, in block order (its piece is k boxes of the whole tensor: ``real_pieces``);
 - ``Replicate()``: the same values on every rank of the axis (``partial=True``: used on a
   slice of the sequence, so its gradient is a partial sum that a hook all-reduces over the
   axis in backward, sequence parallelism);
@@ -23,6 +25,7 @@ placement: along dp a parameter is ``Replicate()``.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,10 +39,12 @@ from shardwise.mesh import AXIS_ORDER, Axis, Mesh, as_axis
 
 @dataclass(frozen=True)
 class Shard:
-    """Split along tensor dim ``dim``; ``full_size``: the unpadded length when padded."""
+    """Split along tensor dim ``dim``; ``full_size``: the unpadded length when padded;
+    ``blocks``: the dim holds that many equal blocks, each split alike (never padded)."""
 
     dim: int
     full_size: int | None = None
+    blocks: int = 1
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,9 @@ Style = Shard | Replicate | StageOwned
 # it is replicated along (see ``Placement.zero_axes``)
 ZERO_AXES: tuple[Axis, ...] = (Axis.DP_SHARD, Axis.CP)
 GroupOf = Callable[[Axis], Group]
+Piece = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+"""``(local offsets, whole offsets, shape)``: one box of a rank's piece, in its local tensor and
+in the whole one."""
 
 
 @dataclass(frozen=True)
@@ -111,12 +119,28 @@ class Placement:
         return out
 
     def check(self) -> None:
-        """Raise ValueError naming the parameter for a shard dim out of range."""
+        """Raise ValueError naming the parameter for a shard dim out of range, or blocks that
+        are not all equal pieces (mixed along one dim, padded, or not dividing the dim)."""
+        blocks: dict[int, int] = {}
         for a in self.axes:
-            if isinstance(a.style, Shard) and not 0 <= a.style.dim < len(self.full_shape):
+            if not isinstance(a.style, Shard):
+                continue
+            d, k = a.style.dim, a.style.blocks
+            if not 0 <= d < len(self.full_shape):
                 raise ValueError(
-                    f"{self.name}: Shard(dim={a.style.dim}) over {a.axis} is out of range for "
+                    f"{self.name}: Shard(dim={d}) over {a.axis} is out of range for "
                     f"shape {self.full_shape}"
+                )
+            if k < 1 or blocks.setdefault(d, k) != k or (k > 1 and a.style.full_size):
+                raise ValueError(
+                    f"{self.name}: Shard(dim={d}, blocks={k}) over {a.axis}: blocks must be "
+                    "at least 1, the same on every axis splitting the dim, and never padded"
+                )
+        for d, (n, _, k) in self._dim_splits().items():
+            if k > 1 and self.full_shape[d] % (k * n):
+                raise ValueError(
+                    f"{self.name}: dim {d} of {self.full_shape} does not split into {k} "
+                    f"blocks of {n} equal pieces"
                 )
 
     def style(self, axis: str | Axis) -> Style:
@@ -148,36 +172,69 @@ class Placement:
     def partial_axes(self) -> tuple[Axis, ...]:
         return tuple(a.axis for a in self.axes if a.style == Replicate(partial=True))
 
-    def _dim_splits(self) -> dict[int, tuple[int, int]]:
-        """Per split dim: (pieces, this rank's piece index), nested axes flattened (outer
-        first)."""
-        out: dict[int, tuple[int, int]] = {}
+    def _dim_splits(self) -> dict[int, tuple[int, int, int]]:
+        """Per split dim: (pieces, this rank's piece index, blocks), nested axes flattened
+        (outer first)."""
+        out: dict[int, tuple[int, int, int]] = {}
         for a in self.shards:
             assert isinstance(a.style, Shard)
-            n, i = out.get(a.style.dim, (1, 0))
-            out[a.style.dim] = (n * a.size, i * a.size + a.rank)
+            n, i, _ = out.get(a.style.dim, (1, 0, 1))
+            out[a.style.dim] = (n * a.size, i * a.size + a.rank, a.style.blocks)
         return out
+
+    @property
+    def blocked(self) -> bool:
+        """Whether a split dim holds several blocks (this rank's piece is several boxes)."""
+        return any(k > 1 for _, _, k in self._dim_splits().values())
 
     def local_shape(self) -> tuple[int, ...]:
         """This rank's tensor: ``ceil(n / pieces)`` along each split dim (padding included)."""
         shape = list(self.full_shape)
-        for d, (n, _) in self._dim_splits().items():
+        for d, (n, _, _) in self._dim_splits().items():
             shape[d] = math.ceil(shape[d] / n)
         return tuple(shape)
 
     def real_box(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``(offsets, shape)`` of this rank's piece in the whole tensor, padding cut."""
+        """``(offsets, shape)`` of this rank's piece in the whole tensor, padding cut. Raises
+        ValueError naming the parameter when the piece is several boxes (``real_pieces``)."""
+        if self.blocked:
+            raise ValueError(
+                f"{self.name}: its piece is several boxes of the whole tensor (Shard blocks); "
+                "read it with real_pieces()"
+            )
         local = self.local_shape()
         offsets, shape = [0] * len(local), list(local)
-        for d, (_, i) in self._dim_splits().items():
+        for d, (_, i, _) in self._dim_splits().items():
             start = min(i * local[d], self.full_shape[d])
             offsets[d], shape[d] = start, min(local[d], self.full_shape[d] - start)
         return tuple(offsets), tuple(shape)
 
+    def real_pieces(self) -> list[Piece]:
+        """The boxes of this rank's piece, padding cut, in local order: ``(offsets in the
+        local tensor, offsets in the whole one, shape)``; one box unless a dim holds blocks
+        (then one per block), none when the piece is all padding."""
+        local = self.local_shape()
+        runs: list[list[tuple[int, int, int]]] = []  # per dim: (local, whole, length)
+        splits = self._dim_splits()
+        for d, size in enumerate(local):
+            _, i, k = splits.get(d, (1, 0, 1))
+            if k == 1:
+                start = min(i * size, self.full_shape[d])
+                runs.append([(0, start, min(size, self.full_shape[d] - start))])
+            else:
+                block, piece = self.full_shape[d] // k, size // k
+                runs.append([(b * piece, b * block + i * piece, piece) for b in range(k)])
+        out = []
+        for combo in itertools.product(*runs):
+            lo, whole, shape = (tuple(r[j] for r in combo) for j in range(3))
+            if all(shape):
+                out.append((lo, whole, shape))
+        return out
+
     @property
     def padded(self) -> bool:
         """Whether a split dim does not divide by its pieces (the last pieces end in zeros)."""
-        return any(self.full_shape[d] % n for d, (n, _) in self._dim_splits().items())
+        return any(self.full_shape[d] % n for d, (n, _, _) in self._dim_splits().items())
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of the whole tensor ``full`` (zero where the piece is padding).
@@ -187,11 +244,9 @@ class Placement:
                 f"{self.name}: expected the whole tensor of shape {self.full_shape}, got "
                 f"{tuple(full.shape)}"
             )
-        offsets, shape = self.real_box()
         out = full.new_zeros(self.local_shape())
-        out[tuple(slice(0, n) for n in shape)] = full[
-            tuple(slice(o, o + n) for o, n in zip(offsets, shape))
-        ]
+        for lo, whole, shape in self.real_pieces():
+            out[_slices(lo, shape)] = full[_slices(whole, shape)]
         return out
 
     @property
@@ -202,18 +257,27 @@ class Placement:
 
     def gather_full(self, local: torch.Tensor, group_of: GroupOf) -> torch.Tensor:
         """The whole parameter from every rank's ``local`` piece, padding cut (call on every
-        rank of every split axis). Communicates: one all_gather per split axis, innermost
-        first."""
+        rank of every split axis). Blocks come back in order, each whole ([q|k|v]).
+        Communicates: one all_gather per split axis, innermost first."""
         out = local.detach()
         for a in reversed(self.shards):
             assert isinstance(a.style, Shard)
             front = out.movedim(a.style.dim, 0).contiguous()
             gathered = ops.all_gather(front, group=group_of(a.axis))
             assert isinstance(gathered, torch.Tensor)
+            k = a.style.blocks
+            if k > 1:  # rank-major [r0: b0 b1 ..][r1: ..] -> block-major [b0: r0 r1 ..] ..
+                rest = gathered.shape[1:]
+                gathered = gathered.view(a.size, k, -1, *rest).transpose(0, 1)
+                gathered = gathered.reshape(-1, *rest)
             out = gathered.movedim(0, a.style.dim)
         for d, n in enumerate(self.full_shape):
             out = out.narrow(d, 0, n)
         return out.contiguous()
+
+
+def _slices(offsets: Sequence[int], shape: Sequence[int]) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(offsets, shape))
 
 
 def replicated(name: str, shape: Sequence[int]) -> Placement:

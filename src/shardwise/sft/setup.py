@@ -25,7 +25,7 @@ from shardwise.sft.base_weights import PEFT_PREFIX, open_base_weights
 from shardwise.sft.lora import LoraSpec, adapter_init_fn, apply_lora
 from shardwise.sft.model import build_model, check_model_dir, decoder_layer_classes
 
-TP_PLANS = {"llama": plans.llama.tp_plan}
+TP_PLANS = {"llama": plans.llama.tp_plan, "gpt2": plans.gpt2.tp_plan}
 """Model types with a tensor-parallel plan (``--tp`` refuses the others)."""
 
 

@@ -25,6 +25,9 @@ from shardwise.checkpoint.entries import (
 )
 from shardwise.checkpoint.reader import CheckpointReader
 
+Piece = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+"""``(offsets in the local tensor, offsets in the global one, shape)``: one box of a piece."""
+
 
 @dataclass(frozen=True)
 class ParamLayout:
@@ -32,10 +35,9 @@ class ParamLayout:
 
     local_shape: tuple[int, ...]
     """Shape of this rank's tensor (padding included)."""
-    offsets: tuple[int, ...]
-    """Where the local tensor starts in the global one, per dim."""
-    real_shape: tuple[int, ...]
-    """The local tensor's extent that is not padding (a box from its origin)."""
+    pieces: tuple[Piece, ...]
+    """The local tensor's boxes that are not padding: ``(offsets in the local tensor, offsets
+    in the global one, shape)``; one box, or one per block of a blocked split (q|k|v)."""
     global_shape: tuple[int, ...]
     """Shape of the whole, unpadded parameter: what the checkpoint stores."""
     writes: bool = True
@@ -44,13 +46,17 @@ class ParamLayout:
     @classmethod
     def whole(cls, shape: tuple[int, ...]) -> ParamLayout:
         """A parameter that is not split: local and global are the same tensor."""
-        return cls(tuple(shape), (0,) * len(shape), tuple(shape), tuple(shape))
+        zeros = (0,) * len(shape)
+        return cls(tuple(shape), ((zeros, zeros, tuple(shape)),), tuple(shape))
 
-    def _real(self) -> Box:
-        return (0,) * len(self.local_shape), self.real_shape
-
-    def _to_global(self, box: Box) -> tuple[int, ...]:
-        return tuple(o + g for o, g in zip(box[0], self.offsets))
+    def parts(self, box: Box) -> list[tuple[Box, tuple[int, ...]]]:
+        """The parts of local ``box`` that are not padding, each with its global offsets."""
+        out = []
+        for at, origin, shape in self.pieces:
+            part = intersect(box, (at, shape))
+            if part is not None:
+                out.append((part, tuple(o + p - a for o, p, a in zip(origin, part[0], at))))
+        return out
 
 
 def layout_of(layouts: Mapping[int, ParamLayout], param: torch.Tensor) -> ParamLayout:
@@ -70,12 +76,10 @@ def range_entries(
     out = []
     stop = start + flat.numel()
     for box, lo in flat_range_boxes(layout.local_shape, start, stop):
-        part = intersect(box, layout._real())
-        if part is None:
-            continue
         values = flat[lo - start : lo - start + math.prod(box[1])].view(box[1])
-        values = values[local_slices(part, box)]
-        out.append(ShardEntry(name, layout.global_shape, layout._to_global(part), values))
+        for part, origin in layout.parts(box):
+            part_values = values[local_slices(part, box)]
+            out.append(ShardEntry(name, layout.global_shape, origin, part_values))
     return out
 
 
@@ -86,13 +90,7 @@ def read_range(
     dtype, read box by box from the global tensor; padding elements are zero."""
     out = torch.zeros(stop - start, dtype=reader.dtype(name))
     for box, lo in flat_range_boxes(layout.local_shape, start, stop):
-        part = intersect(box, layout._real())
-        if part is None:
-            continue
-        values = reader.read_box(name, layout._to_global(part), part[1])
-        if part != box:
-            padded = torch.zeros(box[1], dtype=values.dtype)
-            padded[local_slices(part, box)] = values
-            values = padded
-        out[lo - start : lo - start + values.numel()] = values.reshape(-1)
+        values = out[lo - start : lo - start + math.prod(box[1])].view(box[1])
+        for part, origin in layout.parts(box):
+            values[local_slices(part, box)] = reader.read_box(name, origin, part[1])
     return out

@@ -103,12 +103,18 @@ class ColumnParallelLinear(nn.Linear):
         self.gather_output = gather_output
         self.out_features = full_out if gather_output else self.weight.shape[0]
 
+    def linear_weight(self) -> torch.Tensor:
+        """The weight as ``F.linear`` takes it, ``[out, in]`` (a layer storing it otherwise
+        returns a view)."""
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         full, regather = self.region.enter(x)
+        weight = self.linear_weight()
         if regather is None:
-            y = F.linear(full, self.weight, self.bias)  # [..., chunk]
+            y = F.linear(full, weight, self.bias)  # [..., chunk]
         else:  # keep x (this rank's sequence shard), not full, for the weight gradient
-            y = shard_saving_linear(full, x, self.weight, self.bias, regather)
+            y = shard_saving_linear(full, x, weight, self.bias, regather)
         if not self.gather_output:
             return y
         y = mappings.gather_last_dim(y, self.region.group)  # [..., chunk * tp]
@@ -153,8 +159,12 @@ class RowParallelLinear(nn.Linear):
         self.out_features = linear.out_features
         self.region = region
 
+    def linear_weight(self) -> torch.Tensor:
+        """The weight as ``F.linear`` takes it, ``[out, in]``."""
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.region.leave(F.linear(x, self.weight))  # [..., out_features]
+        y = self.region.leave(F.linear(x, self.linear_weight()))  # [..., out_features]
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -1,8 +1,8 @@
 """``parallelize``: apply a tensor-parallel plan to a model from outside.
 
-Linear and embedding modules named by the plan are replaced by their parallel counterparts
-holding the same ``nn.Parameter`` objects, whose data becomes this rank's shard; the model's
-own forward code runs unchanged. ``sequence`` modules keep running as they are, on this rank's
+Linear (``nn.Linear`` or ``Conv1D``) and embedding modules named by the plan are replaced by
+their parallel counterparts holding the same ``nn.Parameter`` objects, whose data becomes this
+rank's shard; the model's own forward code runs unchanged. ``sequence`` modules keep running as they are, on this rank's
 slice of the sequence when sequence parallelism is on.
 """
 
@@ -21,14 +21,20 @@ from shardwise.parallel.pipeline.stage import PipelineModule
 from shardwise.parallel.placement import Placement, Replicate, Shard
 from shardwise.parallel.tensor import mappings, rng, state
 from shardwise.parallel.tensor.adapters import adapter_dicts, split_off_adapters
-from shardwise.parallel.tensor.entry import SequenceEntries, gather_on_entry
-from shardwise.parallel.tensor.layers import (
-    ColumnParallelLinear,
-    Region,
-    RowParallelLinear,
-    VocabParallelEmbedding,
+from shardwise.parallel.tensor.conv1d import (
+    FUSED_BLOCKS,
+    column_layer,
+    features,
+    localize_heads,
+    params_of,
+    row_layer,
+    split_dims,
+    weight_shape,
 )
-from shardwise.parallel.tensor.plan import PLACE_STYLES, resolve, unmatched_error
+from shardwise.parallel.tensor.entry import SequenceEntries, gather_on_entry
+from shardwise.parallel.tensor.layers import Region, VocabParallelEmbedding
+from shardwise.parallel.tensor.plan import resolve, unmatched_error
+from shardwise.parallel.tensor.validate import validate
 
 
 class TensorParallel:
@@ -80,9 +86,11 @@ class TensorParallel:
             with torch.no_grad():
                 param.data = placement.shard_of(param.data)
 
-    def _shard(self, param: torch.Tensor, name: str, full: tuple[int, ...], dim: int) -> None:
+    def _shard(
+        self, param: torch.Tensor, name: str, full: tuple[int, ...], dim: int, blocks: int = 1
+    ) -> None:
         padded = full[dim] if full[dim] % self.tp_size else None
-        style = Shard(dim, padded) if self.tp_size > 1 else Replicate()
+        style = Shard(dim, padded, blocks) if self.tp_size > 1 else Replicate()
         self._place(param, Placement.on(self.mesh, name, full, {Axis.TP: style}), name)
 
     def _replicate(self, param: torch.Tensor, name: str, partial: bool) -> None:
@@ -142,80 +150,23 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name), leaf, new)
 
 
-def _validate(
-    model: nn.Module, styles: dict[str, str], tp_size: int, sp: bool, carried: Mapping[str, str]
-) -> None:
-    """Check the whole plan before anything changes the model (``carried``: the LoRA layers,
-    whose adapters are split with their bases)."""
-    modules = dict(model.named_modules())
-    vocabs = {modules[n].num_embeddings for n, s in styles.items() if s == "vocab_embedding"}
-    # parameters sharded, or replicated inside a 'sequence' module, or adapters split to match
-    covered = {id(p) for n in carried for p in modules[n].parameters()}
-    for name, style in styles.items():
-        m = modules[name]
-        if style in PLACE_STYLES:  # a place in the forward, not a way to hold parameters
-            continue
-        covered |= {id(p) for p in m.parameters()}
-        if style == "rowwise" and m.in_features % tp_size:
-            what = f"in_features={m.in_features}"
-        elif style in ("colwise", "colwise_gather") and m.out_features % tp_size:
-            if m.out_features in vocabs:
-                continue
-            what = f"out_features={m.out_features}"
-        else:
-            continue
-        raise ValueError(
-            f"module {name!r}: {what} is not divisible by tp={tp_size}; only a vocabulary "
-            "(the size of a 'vocab_embedding' in the plan) may be padded"
-        )
-    _check_ties(modules, styles)
-    if sp and tp_size > 1:
-        for name, p in model.named_parameters():
-            if id(p) not in covered:
-                raise ValueError(
-                    f"parameter {name!r} is replicated over tp but not inside a 'sequence' "
-                    "module: under sequence parallelism its module sees 1/tp of the sequence; "
-                    "add its module to the plan as 'sequence'"
-                )
-
-
-def _layouts(m: nn.Module, style: str) -> list[tuple[str, torch.Tensor, int | None]]:
-    """(parameter name, parameter, split dim or None) that ``style`` gives ``m``'s params."""
-    if style in ("vocab_embedding", "colwise", "colwise_gather"):
-        return [(n, p, 0) for n, p in m.named_parameters(recurse=False)]
+def _apply_linear(tp: TensorParallel, name: str, m: nn.Module, style: str) -> None:
+    """Split an ``nn.Linear`` or a ``Conv1D`` (see ``conv1d``) as ``style`` says."""
+    in_dim, out_dim = split_dims(m)
+    shape, n_out = weight_shape(m), features(m)[1]
+    weight, bias = params_of(m)
     if style == "rowwise":
-        return [(n, p, 1 if n == "weight" else None) for n, p in m.named_parameters(recurse=False)]
-    if style in PLACE_STYLES:  # a place in the forward: its parameters are its children's
-        return []
-    return [(n, p, None) for n, p in m.named_parameters()]
-
-
-def _check_ties(modules: Mapping[str, nn.Module], styles: Mapping[str, str]) -> None:
-    """A parameter shared by two planned modules (a tied head) must be split the same way."""
-    seen: dict[int, tuple[str, int | None]] = {}
-    for name, style in styles.items():
-        for pname, p, dim in _layouts(modules[name], style):
-            first = seen.setdefault(id(p), (f"{name}.{pname}", dim))
-            if first[1] != dim:
-                raise ValueError(
-                    f"parameter {first[0]!r} is tied into {name!r} ({style}) with another "
-                    f"split: dim {first[1]} there, dim {dim} here (None: whole); tied layers "
-                    "must split it the same way"
-                )
-
-
-def _apply_linear(tp: TensorParallel, name: str, m: nn.Linear, style: str) -> None:
-    if style == "rowwise":
-        tp._shard(m.weight, f"{name}.weight", (m.out_features, m.in_features), 1)
-        _replace(tp.model, name, RowParallelLinear(m, tp.region))
-        if m.bias is not None:
-            tp._replicate(m.bias, f"{name}.bias", partial=tp.sequence_parallel)
+        tp._shard(weight, f"{name}.weight", shape, in_dim)
+        _replace(tp.model, name, row_layer(m, tp.region))
+        if bias is not None:
+            tp._replicate(bias, f"{name}.bias", partial=tp.sequence_parallel)
         return
-    tp._shard(m.weight, f"{name}.weight", (m.out_features, m.in_features), 0)
-    if m.bias is not None:
-        tp._shard(m.bias, f"{name}.bias", (m.out_features,), 0)
+    blocks = FUSED_BLOCKS.get(style, 1)
+    tp._shard(weight, f"{name}.weight", shape, out_dim, blocks)
+    if bias is not None:
+        tp._shard(bias, f"{name}.bias", (n_out,), 0, blocks)
     gather = style == "colwise_gather"
-    _replace(tp.model, name, ColumnParallelLinear(m, tp.region, m.out_features, gather))
+    _replace(tp.model, name, column_layer(m, tp.region, n_out, gather))
 
 
 def _apply_adapters(tp: TensorParallel, name: str, layer: nn.Module, style: str) -> None:
@@ -359,7 +310,7 @@ def parallelize(
         raise TypeError(f"mesh must be a shardwise Mesh, got {type(mesh).__name__}")
     modules = dict(model.named_modules())
     styles, carried = split_off_adapters(modules, _resolve(model, mesh, plan))
-    _validate(model, styles, mesh.tp_size, bool(sequence_parallel), carried)
+    validate(model, styles, mesh.tp_size, bool(sequence_parallel), carried)
     tp = TensorParallel(model, mesh, bool(sequence_parallel))
     entry_names = [n for n, s in styles.items() if s == "sequence_entry"]
     if entry_names and tp.sequence_parallel and tp.tp_size > 1:
@@ -372,6 +323,9 @@ def parallelize(
         if style == "whole_sequence":
             if tp.sequence_parallel and tp.tp_size > 1:
                 gather_on_entry(module, name, tp.region)
+            continue
+        if style == "local_heads":
+            localize_heads(module, tp.tp_size)
             continue
         if style == "vocab_embedding":
             _apply_embedding(tp, name, module)

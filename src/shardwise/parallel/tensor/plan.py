@@ -13,19 +13,25 @@ from collections.abc import Mapping
 from torch import nn
 
 from shardwise.parallel.tensor.adapters import base_of
+from shardwise.parallel.tensor.conv1d import is_conv1d
 
 STYLES = (
     "colwise",
     "rowwise",
     "colwise_gather",
+    "colwise_qkv",
     "vocab_embedding",
     "sequence",
     "sequence_entry",
     "whole_sequence",
+    "local_heads",
 )
 """colwise: Linear split on the output features (output stays split).
 rowwise: Linear split on the input features (output summed over tp).
 colwise_gather: colwise whose output is gathered to full width.
+colwise_qkv: colwise over a fused projection whose output is three equal blocks (q | k | v),
+    each split over tp: a rank's output is its heads of q, of k, then of v.
+The linear styles take an ``nn.Linear`` or a ``Conv1D`` (weight stored ``[in, out]``).
 vocab_embedding: Embedding split on the vocabulary (padded when it does not divide by tp).
 sequence: a replicated module that runs inside a sequence-parallel region (norms, dropout).
 sequence_entry: a module whose first positional input is the whole sequence (e.g. the first
@@ -35,12 +41,14 @@ sequence_entry: a module whose first positional input is the whole sequence (e.g
 whole_sequence: a module whose own code needs the whole sequence (attention that reshapes its
     projections by its input's length): under sequence parallelism its first positional (or
     ``hidden_states``) input is gathered on entry, and its column-parallel layers take it as is.
-PLACE_STYLES (sequence_entry, whole_sequence) mark places in the forward; the parameters of
-such a module belong to its children's styles."""
+local_heads: an attention module that splits a ``colwise_qkv`` output by its own attributes
+    (``num_heads``, ``split_size``, ``embed_dim``): they become this rank's (divided by tp).
+PLACE_STYLES (sequence_entry, whole_sequence, local_heads) mark places in the forward; the
+parameters of such a module belong to its children's styles."""
 
-PLACE_STYLES = ("sequence_entry", "whole_sequence")
+PLACE_STYLES = ("sequence_entry", "whole_sequence", "local_heads")
 
-LINEAR_STYLES = ("colwise", "rowwise", "colwise_gather")
+LINEAR_STYLES = ("colwise", "rowwise", "colwise_gather", "colwise_qkv")
 
 _BRACES = re.compile(r"\{([^{}]*)\}")
 
@@ -69,9 +77,10 @@ def _check_types(plan: object) -> Mapping[str, str]:
 
 def _check_module(name: str, module: nn.Module, style: str) -> None:
     module = base_of(module)  # a LoRA layer: the style splits its base (and its adapters)
-    if style in LINEAR_STYLES and not isinstance(module, nn.Linear):
+    if style in LINEAR_STYLES and not (isinstance(module, nn.Linear) or is_conv1d(module)):
         raise TypeError(
-            f"module {name!r} is a {type(module).__name__}; style {style!r} needs an nn.Linear"
+            f"module {name!r} is a {type(module).__name__}; style {style!r} needs an nn.Linear "
+            "or a Conv1D"
         )
     if style == "vocab_embedding" and not isinstance(module, nn.Embedding):
         raise TypeError(
