@@ -14,6 +14,7 @@ from shardwise.testing import run_on_ranks
 LAYERS, HIDDEN, WORLD = 64, 320, 4
 
 
+@pytest.mark.long
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_DATA and VmData")
 def test_zero3_trains_under_a_data_limit_the_full_model_exceeds(tmp_path):
     pytest.importorskip("transformers")

@@ -11,6 +11,7 @@ import shutil
 import time
 from pathlib import Path
 
+import pytest
 from launcher_procs import TINY_TRAIN, Cli
 
 from shardwise.checkpoint.journal import Journal
@@ -44,6 +45,7 @@ def _checkpoints(run_dir: RunDir) -> list[int]:
     return Journal(run_dir.checkpoints).read().live_steps()
 
 
+@pytest.mark.long
 def test_moved_and_copied_run_dirs_use_only_their_own_checkpoints(tmp_path):
     first = RunDir(tmp_path / "first")
     _train(first, "--steps", "4", "--checkpoint-every", "2")
@@ -69,14 +71,26 @@ def test_moved_and_copied_run_dirs_use_only_their_own_checkpoints(tmp_path):
     ]
 
 
+@pytest.mark.long
 def test_lost_journal_crashed_resume_metrics_cut_and_summary(tmp_path):
     run = RunDir(tmp_path / "run")
     _train(run, "--steps", "6", "--checkpoint-every", "2")
     first_wall = json.loads(run.summary.read_text())["wall_time_s"]
     (run.checkpoints / "journal.log").unlink()
 
-    crashing = Cli("train", "--nproc-per-node", "2", *TINY_TRAIN, "--run-dir", str(run.root),
-                   "--resume", "--steps", "3000", "--checkpoint-every", "0")
+    crashing = Cli(
+        "train",
+        "--nproc-per-node",
+        "2",
+        *TINY_TRAIN,
+        "--run-dir",
+        str(run.root),
+        "--resume",
+        "--steps",
+        "3000",
+        "--checkpoint-every",
+        "0",
+    )
     try:
         deadline = time.monotonic() + 240
         while not (run.metrics.exists() and len(read_metrics(run.metrics)) >= 9):

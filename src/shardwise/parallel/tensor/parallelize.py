@@ -2,8 +2,8 @@
 
 Linear (``nn.Linear`` or ``Conv1D``) and embedding modules named by the plan are replaced by
 their parallel counterparts holding the same ``nn.Parameter`` objects, whose data becomes this
-rank's shard; the model's own forward code runs unchanged. ``sequence`` modules keep running as they are, on this rank's
-slice of the sequence when sequence parallelism is on.
+rank's shard; the model's own forward code runs unchanged. ``sequence`` modules keep running
+as they are, on this rank's slice of the sequence when sequence parallelism is on.
 """
 
 from __future__ import annotations
