@@ -232,6 +232,29 @@ def _print(rows: list[dict], args: Any, load: tuple[float, float], cfg: GPTConfi
             print(f"{'':>14}rank {rank} ms/step/calls (the first call's ms): {parts}")
             compute = ", ".join(f"{k} {sp['cpu'][k] * 1e3:.0f}" for k in COMPUTE if k in sp["cpu"])
             print(f"{'':>14}rank {rank} CPU ms/step of the main thread: {compute}")
+    _print_paired(by, args.steps)
+
+
+def _print_paired(by: dict[str, dict], steps: int) -> None:
+    """Each round's median step against torch's of the same round (the two ran one after the
+    other): the machine's speed drifts between rounds more than the systems differ."""
+    for name, r in by.items():
+        base = by.get(f"torch_{SYSTEMS[name][1]}")
+        if base is None or base is r:
+            continue
+        mine, theirs = (
+            [
+                statistics.median(x["step_s_all"][i : i + steps])
+                for i in range(0, len(x["step_s_all"]), steps)
+            ]
+            for x in (r, base)
+        )
+        ratios = [a / b for a, b in zip(mine, theirs)]
+        mean = statistics.mean(r["step_s_all"]) / statistics.mean(base["step_s_all"])
+        print(
+            f"{name:>12}: per round vs torch {' '.join(f'{x:.3f}' for x in ratios)}; median of "
+            f"those {statistics.median(ratios):.3f}; mean step {mean:.3f}x torch's"
+        )
 
 
 def main() -> None:
@@ -245,7 +268,14 @@ def main() -> None:
     ap.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"of {', '.join(SYSTEMS)}")
     ap.add_argument("--profile", action="store_true", help="time splits per rank")
     ap.add_argument("--json")
+    ap.add_argument("--reprint", help="print the tables of a saved --json (same --rounds, --steps)")
     args = ap.parse_args()
+    if args.reprint:
+        with open(args.reprint) as f:
+            saved = json.load(f)
+        print(f"# reprinted from {args.reprint} (code {saved['source']})")
+        _print(saved["rows"], args, tuple(saved["load"]), GPTConfig.named(args.model))
+        return
     from shardwise.testing import RankPool
 
     systems = args.systems.split(",")
