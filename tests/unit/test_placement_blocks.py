@@ -125,3 +125,30 @@ def test_gpt2_heads_that_do_not_divide_by_tp_are_refused_naming_the_attention():
     validate(model, styles, 2, False, {})
     with pytest.raises(ValueError, match=r"^parameter 'transformer.wpe.weight' is replicated"):
         validate(model, styles, 2, True, {})
+
+
+def test_lora_on_gpt2s_fused_c_attn_under_tp_is_refused_naming_the_layer():
+    """Adapters on the fused q|k|v projection cannot follow its blocked split: one line naming
+    the layer and what to do; LoRA on the MLP's Conv1D layers is carried."""
+    import peft
+
+    from shardwise.parallel import plans
+    from shardwise.parallel.tensor.adapters import split_off_adapters
+
+    def lora(targets: list[str]) -> torch.nn.Module:
+        cfg = peft.LoraConfig(r=2, target_modules=targets, fan_in_fan_out=True)
+        return peft.get_peft_model(hf_models.tiny_gpt2(), cfg).base_model.model  # the plan's names
+
+    model = lora(["c_attn", "c_fc"])
+    styles = resolve(model, plans.gpt2.tp_plan())
+    refusal = (
+        r"^module 'transformer\.h\.0\.attn\.c_attn' carries LoRA adapters, but its "
+        r"tensor-parallel style 'colwise_qkv' cannot split them.*"
+        r"leave 'c_attn' out of the LoRA targets, or use tp 1$"
+    )
+    with pytest.raises(ValueError, match=refusal):
+        split_off_adapters(dict(model.named_modules()), styles)
+    model = lora(["c_fc"])
+    styles = resolve(model, plans.gpt2.tp_plan())
+    _, carried = split_off_adapters(dict(model.named_modules()), styles)
+    assert sorted(carried) == [f"transformer.h.{i}.mlp.c_fc" for i in range(2)]  # 2 layers
