@@ -9,11 +9,13 @@ With ``--confirm K``, every layout is first screened: built, one warm-up step an
 ``--screen-steps`` timed steps, then freed (hundreds of engines do not fit at once). The K
 fastest screened layouts and ``--auto``'s choice then take turns for ``--rounds`` rounds as
 above; the choice's gap is measured against the fastest of those, and the rank correlation is
-over every screened layout.
+over every screened layout. ``--screened F`` takes the screened steps from an earlier run's
+``--json`` instead (for longer rounds without screening again); ``--auto``'s choice comes from
+this run's calibration.
 
     python benchmarks/auto_plan.py [--models tiny,small] [--batches 8,16] [--ranks 2,4]
         [--max-layouts 10] [--confirm 0] [--screen-steps 2] [--steps 3] [--rounds 3]
-        [--budget-s 20] [--json F]
+        [--budget-s 20] [--json F] [--screened F]
 
 Per configuration: each layout's measured step, predicted step and both ranks, ``*`` on
 ``--auto``'s choice (the predicted best), its gap to the fastest measured layout, and the rank
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -99,6 +102,17 @@ def _screen(
     return keep, screened
 
 
+def _earlier_screen(path: str | None, model: str, n: int, batch: int) -> dict[str, float] | None:
+    """Each layout's screened step from an earlier run's ``--json`` (``--screened``), or None."""
+    if path is None:
+        return None
+    with open(path) as f:
+        for c in json.load(f)["configs"]:
+            if (c["model"], c["ranks"], c["global_batch"]) == (model, n, batch):
+                return {r["layout"]: r["screened_s"] for r in c["rows"] if r["screened_s"]}
+    return None
+
+
 def _config(pool: Any, model: str, n: int, batch: int, args: Any) -> dict:
     from shardwise.cli.train_auto import CHECKS
     from shardwise.costmodel.calibrate_ranks import Calibration
@@ -115,7 +129,12 @@ def _config(pool: Any, model: str, n: int, batch: int, args: Any) -> dict:
     runs = [layout_choice.run_config(base, r.layout).to_dict() for r in picks]
     screened: list[float] | None = None
     chosen = list(range(len(picks)))
-    if args.confirm:
+    earlier = _earlier_screen(args.screened, model, n, batch)
+    if args.confirm and earlier is not None:
+        screened = [earlier.get(r.layout.describe(), math.inf) for r in picks]
+        order = sorted(range(len(picks)), key=lambda i: screened[i])
+        chosen = sorted({0, *order[: args.confirm]})
+    elif args.confirm:
         chosen, screened = _screen(pool, f"{model}/{batch}", picks, runs, args)
     times: list[list[float]] = [[] for _ in picks]
     for rnd in range(args.rounds):
@@ -175,6 +194,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=20.0)
     p.add_argument("--json")
+    p.add_argument("--screened", help="take each layout's screened step from this earlier --json")
     args = p.parse_args()
     print(f"# auto_plan @ {source_version()}: {os.cpu_count()} cores, {vars(args)}")
     configs = []
