@@ -70,16 +70,15 @@ def split_dims(module: nn.Module) -> tuple[int, int]:
 class ColumnParallelConv1D(ColumnParallelLinear):
     """A ``Conv1D`` split along its output features (weight dim 1, bias dim 0)."""
 
-    def __init__(self, conv: nn.Module, region: Region, full_out: int, gather: bool) -> None:
-        nn.Module.__init__(self)
-        self.weight, self.bias = params_of(conv)  # type: ignore[assignment]
-        self.in_features = int(conv.nx)  # type: ignore[arg-type]
-        self.nx = self.in_features
-        self.region = region
-        self.full_out = full_out
-        self.gather_output = gather
-        self.out_features = full_out if gather else self.weight.shape[1]
-        self.nf = self.out_features
+    OUT_DIM = 1
+
+    @property
+    def nx(self) -> int:
+        return self.in_features
+
+    @property
+    def nf(self) -> int:
+        return self.out_features
 
     def linear_weight(self) -> torch.Tensor:
         return self.weight.t()
@@ -88,14 +87,15 @@ class ColumnParallelConv1D(ColumnParallelLinear):
 class RowParallelConv1D(RowParallelLinear):
     """A ``Conv1D`` split along its input features (weight dim 0); bias added after the sum."""
 
-    def __init__(self, conv: nn.Module, region: Region) -> None:
-        nn.Module.__init__(self)
-        self.weight, self.bias = params_of(conv)  # type: ignore[assignment]
-        self.in_features = self.weight.shape[0]
-        self.nx = self.in_features
-        self.out_features = int(conv.nf)  # type: ignore[arg-type]
-        self.nf = self.out_features
-        self.region = region
+    IN_DIM = 0
+
+    @property
+    def nx(self) -> int:
+        return self.in_features
+
+    @property
+    def nf(self) -> int:
+        return self.out_features
 
     def linear_weight(self) -> torch.Tensor:
         return self.weight.t()
@@ -103,18 +103,14 @@ class RowParallelConv1D(RowParallelLinear):
 
 def column_layer(module: nn.Module, region: Region, full_out: int, gather: bool) -> nn.Module:
     """The column-parallel layer over ``module`` (an ``nn.Linear`` or a ``Conv1D``)."""
-    if is_conv1d(module):
-        return ColumnParallelConv1D(module, region, full_out, gather)
-    assert isinstance(module, nn.Linear)
-    return ColumnParallelLinear(module, region, full_out, gather)
+    layer = ColumnParallelConv1D if is_conv1d(module) else ColumnParallelLinear
+    return layer(module, region, full_out, gather)
 
 
 def row_layer(module: nn.Module, region: Region) -> nn.Module:
     """The row-parallel layer over ``module`` (an ``nn.Linear`` or a ``Conv1D``)."""
-    if is_conv1d(module):
-        return RowParallelConv1D(module, region)
-    assert isinstance(module, nn.Linear)
-    return RowParallelLinear(module, region)
+    layer = RowParallelConv1D if is_conv1d(module) else RowParallelLinear
+    return layer(module, region)
 
 
 def check_heads(name: str, module: nn.Module, tp_size: int) -> None:

@@ -91,17 +91,19 @@ class ColumnParallelLinear(nn.Linear):
     padding cut off).
     """
 
+    OUT_DIM = 0
+    """The weight dim holding the output features (``nn.Linear`` stores ``[out, in]``)."""
+
     def __init__(
-        self, linear: nn.Linear, region: Region, full_out: int, gather_output: bool
+        self, linear: nn.Module, region: Region, full_out: int, gather_output: bool
     ) -> None:
         nn.Module.__init__(self)
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self.in_features = linear.in_features
+        self.weight, self.bias = linear.weight, linear.bias  # type: ignore[assignment]
+        self.in_features = self.weight.shape[1 - self.OUT_DIM]
         self.region = region
         self.full_out = full_out
         self.gather_output = gather_output
-        self.out_features = full_out if gather_output else self.weight.shape[0]
+        self.out_features = full_out if gather_output else self.weight.shape[self.OUT_DIM]
 
     def linear_weight(self) -> torch.Tensor:
         """The weight as ``F.linear`` takes it, ``[out, in]`` (a layer storing it otherwise
@@ -151,12 +153,14 @@ class RowParallelLinear(nn.Linear):
     under SP); the bias, replicated, is added once after the sum.
     """
 
-    def __init__(self, linear: nn.Linear, region: Region) -> None:
+    IN_DIM = 1
+    """The weight dim holding the input features (``nn.Linear`` stores ``[out, in]``)."""
+
+    def __init__(self, linear: nn.Module, region: Region) -> None:
         nn.Module.__init__(self)
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self.in_features = self.weight.shape[1]
-        self.out_features = linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias  # type: ignore[assignment]
+        self.in_features = self.weight.shape[self.IN_DIM]
+        self.out_features = self.weight.shape[1 - self.IN_DIM]
         self.region = region
 
     def linear_weight(self) -> torch.Tensor:
