@@ -67,38 +67,36 @@ def split_dims(module: nn.Module) -> tuple[int, int]:
     return (0, 1) if is_conv1d(module) else (1, 0)
 
 
-class ColumnParallelConv1D(ColumnParallelLinear):
+class _StoredTransposed:
+    """A parallel linear layer over a ``Conv1D``: its weight is stored ``[in, out]``, and it
+    answers to ``Conv1D``'s names for its widths."""
+
+    weight: torch.Tensor
+    in_features: int
+    out_features: int
+
+    @property
+    def nx(self) -> int:
+        return self.in_features
+
+    @property
+    def nf(self) -> int:
+        return self.out_features
+
+    def linear_weight(self) -> torch.Tensor:
+        return self.weight.t()
+
+
+class ColumnParallelConv1D(_StoredTransposed, ColumnParallelLinear):
     """A ``Conv1D`` split along its output features (weight dim 1, bias dim 0)."""
 
     OUT_DIM = 1
 
-    @property
-    def nx(self) -> int:
-        return self.in_features
 
-    @property
-    def nf(self) -> int:
-        return self.out_features
-
-    def linear_weight(self) -> torch.Tensor:
-        return self.weight.t()
-
-
-class RowParallelConv1D(RowParallelLinear):
+class RowParallelConv1D(_StoredTransposed, RowParallelLinear):
     """A ``Conv1D`` split along its input features (weight dim 0); bias added after the sum."""
 
     IN_DIM = 0
-
-    @property
-    def nx(self) -> int:
-        return self.in_features
-
-    @property
-    def nf(self) -> int:
-        return self.out_features
-
-    def linear_weight(self) -> torch.Tensor:
-        return self.weight.t()
 
 
 def column_layer(module: nn.Module, region: Region, full_out: int, gather: bool) -> nn.Module:
