@@ -11,7 +11,8 @@ fastest screened layouts and ``--auto``'s choice then take turns for ``--rounds`
 above; the choice's gap is measured against the fastest of those, and the rank correlation is
 over every screened layout. ``--screened F`` takes the screened steps from an earlier run's
 ``--json`` instead (for longer rounds without screening again); ``--auto``'s choice comes from
-this run's calibration.
+this run's calibration. The rank processes are replaced every 40 screened layouts: their heaps
+grow over hundreds of engines built and freed, and 2 ranks over 400 layouts filled 23 GB.
 
     python benchmarks/auto_plan.py [--models tiny,small] [--batches 8,16] [--ranks 2,4]
         [--max-layouts 10] [--confirm 0] [--screen-steps 2] [--steps 3] [--rounds 3]
@@ -36,6 +37,30 @@ from typing import Any
 from provenance import source_version
 
 _TRIALS: dict[str, Any] = {}  # per worker process: the engine of each layout, built once
+_RENEW_EVERY = 40  # screened layouts per pool of rank processes
+
+
+class _Pool:
+    """A ``RankPool`` that can be replaced by fresh rank processes between screened layouts."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.pool = self._start()
+
+    def _start(self) -> Any:
+        from shardwise.testing import RankPool
+
+        return RankPool(self.n, pg_timeout_s=900.0, start_timeout_s=300.0)
+
+    def run(self, *args: Any, **kwargs: Any) -> list[Any]:
+        return self.pool.run(*args, **kwargs)
+
+    def renew(self) -> None:
+        self.pool.close()
+        self.pool = self._start()
+
+    def close(self) -> None:
+        self.pool.close()
 
 
 def calibrate_rank(model: str, budget_s: float) -> dict:
@@ -94,7 +119,10 @@ def _screen(
     the predicted best (index 0), and each layout's screened median in ``picks``' order."""
     screened = []
     for i, run in enumerate(runs):
+        if i and i % _RENEW_EVERY == 0:
+            pool.renew()  # a rank's heap grows over hundreds of built-and-freed engines
         key = f"{name}/{picks[i].layout.describe()}/screen"
+        print(f"  screening {i + 1}/{len(runs)}: {key}", file=sys.stderr, flush=True)
         t = pool.run(time_rank, key, run, args.screen_steps, 1, False, timeout_s=900)[0]
         screened.append(statistics.median(t))
     order = sorted(range(len(runs)), key=lambda i: screened[i])
@@ -181,8 +209,6 @@ def _print(c: dict) -> None:
 
 
 def main() -> int:
-    from shardwise.testing import RankPool
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="tiny,small")
     p.add_argument("--batches", default="8,16")
@@ -199,7 +225,7 @@ def main() -> int:
     print(f"# auto_plan @ {source_version()}: {os.cpu_count()} cores, {vars(args)}")
     configs = []
     for n in (int(r) for r in args.ranks.split(",")):
-        pool = RankPool(n, pg_timeout_s=900.0, start_timeout_s=300.0)
+        pool = _Pool(n)
         try:
             for model in args.models.split(","):
                 for batch in (int(b) for b in args.batches.split(",")):
