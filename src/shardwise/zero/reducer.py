@@ -22,6 +22,7 @@ not keep full gradients.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -61,10 +62,14 @@ class GradReducer:
         self.algorithm, self.links = algorithm, dict(links or {})
         self._slot: dict[int, tuple[int, int, ParamSlot]] = {}
         self._handles = []
+        # The hooks live in each parameter's C++ autograd metadata, where Python's collector
+        # cannot see a cycle: a bound method there would keep this reducer, its flat buffers
+        # and every parameter alive after the engine is dropped. A weak one does not.
+        hook = _weak_hook(self)
         for i, f in enumerate(self.flats):
             for j, (slot, p) in enumerate(zip(f.slots, f.params)):
                 self._slot[id(p)] = (i, j, slot)
-                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                self._handles.append(p.register_post_accumulate_grad_hook(hook))
         self._reset_pass()
         self._pending: list[_Pending] = []
         self._crossing: list[_Pending] = []  # reduced in the shard group, now across replicas
@@ -241,3 +246,15 @@ class GradReducer:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+def _weak_hook(reducer: GradReducer) -> Callable[[nn.Parameter], None]:
+    """``reducer._on_grad`` through a weak reference (a no-op once the reducer is gone)."""
+    ref = weakref.ref(reducer)
+
+    def hook(p: nn.Parameter) -> None:
+        r = ref()
+        if r is not None:
+            r._on_grad(p)
+
+    return hook
