@@ -11,8 +11,9 @@ fastest screened layouts and ``--auto``'s choice then take turns for ``--rounds`
 above; the choice's gap is measured against the fastest of those, and the rank correlation is
 over every screened layout. ``--screened F`` takes the screened steps from an earlier run's
 ``--json`` instead (for longer rounds without screening again); ``--auto``'s choice comes from
-this run's calibration. The rank processes are replaced every 40 screened layouts, so what one
-layout leaves behind in a process (allocator growth, caches) cannot starve the later ones.
+this run's calibration. The rank processes are replaced every ``_RENEW_EVERY`` screened
+layouts, so what one layout leaves behind in a process (allocator growth, caches) cannot starve
+the later ones.
 
     python benchmarks/auto_plan.py [--models tiny,small] [--batches 8,16] [--ranks 2,4]
         [--max-layouts 10] [--confirm 0] [--screen-steps 2] [--steps 3] [--rounds 3]
@@ -120,7 +121,7 @@ def _screen(
     screened = []
     for i, run in enumerate(runs):
         if i and i % _RENEW_EVERY == 0:
-            pool.renew()  # a fresh start for the next 40 layouts
+            pool.renew()
         key = f"{name}/{picks[i].layout.describe()}/screen"
         print(f"  screening {i + 1}/{len(runs)}: {key}", file=sys.stderr, flush=True)
         t = pool.run(time_rank, key, run, args.screen_steps, 1, False, timeout_s=900)[0]

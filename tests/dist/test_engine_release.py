@@ -17,6 +17,7 @@ from torch import nn
 
 import shardwise
 from shardwise.testing import run_on_ranks
+from shardwise.zero.flat_param import FlatParam
 
 
 def _task(stage: int) -> tuple[bool, bool, int]:
@@ -32,8 +33,6 @@ def _task(stage: int) -> tuple[bool, bool, int]:
     weight, eng = weakref.ref(model[0].weight), weakref.ref(engine)
     del model, engine
     gc.collect()
-    from shardwise.zero.flat_param import FlatParam
-
     flats = sum(isinstance(o, FlatParam) for o in gc.get_objects())
     return eng() is None, weight() is None, flats
 
