@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from shardwise.cli import train_cmd
+from shardwise.cli import train_auto, train_cmd
 from shardwise.cli.launch import check_launch_args
 from shardwise.cli.run_args import add_run_args
 from shardwise.train.options import RunConfig, TrainOptions
@@ -70,6 +70,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="write a tiny Llama, its tokenizer and an instruction dataset into DIR, then "
         "fine-tune it (LoRA unless --full; run directory DIR/run)",
     )
+    train_auto.add_auto_args(p)
     del groups
 
 
@@ -142,7 +143,8 @@ def _check_inputs(ft: Any, data: str, seq_len: int | None, tp: int) -> tuple[int
     return seq_len, decoder_layer_classes(model)
 
 
-def _new_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir]:
+def _new_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir, dict[str, Any] | None]:
+    """The new run, its directory and, under ``--auto``, the record of the layout chosen."""
     ft = _finetune_options(args)
     run_dir = RunDir(args.run_dir) if args.run_dir else new_run_dir()
     if run_dir.exists():
@@ -176,7 +178,13 @@ def _new_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir]:
             f"--tp {opts.tp} x --dp-replicate {opts.dp_replicate} must divide the "
             f"{run.world_size} ranks"
         )
-    return run, run_dir
+    if not args.auto:
+        return run, run_dir, None
+    from shardwise.sft.auto import finetune_target
+
+    target, checks = finetune_target(Path(ft.model_dir), ft.lora_spec, seq_len)
+    run, plan = train_auto.plan_run(args, run, target, checks, "finetune")
+    return run, run_dir, plan
 
 
 def run_finetune(args: argparse.Namespace) -> int:
@@ -187,14 +195,16 @@ def run_finetune(args: argparse.Namespace) -> int:
         ]
         if given:
             raise ValueError(f"--{given[0]} cannot change when resuming: the run keeps its own")
-        args.auto = False
+        if args.auto:
+            raise ValueError("--auto chooses a new run's layout: a resumed run keeps its own")
         run, run_dir = train_cmd._resumed_run(args)
+        plan = None
         if run.finetune is None:
             raise ValueError(f"{run_dir.root} is a shardwise train run: resume it with train")
     else:
         if args.demo is not None:
             _demo(args)
-        run, run_dir = _new_run(args)
+        run, run_dir, plan = _new_run(args)
     ft = run.finetune or {}
     how = f"LoRA {ft.get('lora')}" if ft.get("lora") else "full"
     headline = (
@@ -202,7 +212,8 @@ def run_finetune(args: argparse.Namespace) -> int:
         f"ranks ({run.layout()}), ZeRO-{run.engine.zero_stage}, {run.engine.precision}, "
         f"{run.train.steps} steps of {run.global_batch_size} sequences"
     )
-    return train_cmd.launch_run(args, run, run_dir, "finetune", headline)
+    written = None if plan is None else (lambda: train_auto.write_plan(plan, run_dir.root))
+    return train_cmd.launch_run(args, run, run_dir, "finetune", headline, written)
 
 
 def finetune(model_dir: str | Path, data: str | Path, **options: Any) -> Path:

@@ -1,11 +1,13 @@
-"""``--auto`` for the commands that train: measure the ranks, search every layout, print the
-best five, and hand back the run of the best one (``plan_run``).
+"""``--auto`` for the commands that train (``train``, ``finetune``): measure the ranks, search
+every layout, print the best five, and hand back the run of the best one (``plan_run``).
 
 The ranks are measured by ``python -m shardwise.train.calibrate_worker`` started with the
 command's own launcher options (so on the ranks and devices that will train), within
 ``--auto-budget-s``; the search is ``train.layout_choice.choose``. Flags the user gave pin their
 dimensions. When no layout fits, one line says the least memory any needs and on how many ranks
-one would fit, before anything is measured.
+one would fit, before anything is measured. What is searched is the command's
+``layout_choice.Target``: the built-in GPT for ``train``, the Hugging Face model for
+``finetune``.
 """
 
 from __future__ import annotations
@@ -69,7 +71,11 @@ def add_auto_args(p: argparse.ArgumentParser) -> None:
 
 def pins(args: argparse.Namespace) -> dict[str, Any]:
     """The pinnable flags the user gave."""
-    return {k: getattr(args, k) for k in layout_choice.PINNABLE if getattr(args, k) is not None}
+    return {
+        k: getattr(args, k)
+        for k in layout_choice.PINNABLE
+        if getattr(args, k, None) is not None  # finetune has no --cp
+    }
 
 
 def row(i: int, r: Ranked, best_step: float) -> str:
@@ -85,28 +91,31 @@ def _placeholder(memory_bytes: int, devices_per_node: int) -> Any:
     return measured((free, free), devices_per_node, 1.0, memory_bytes, 1.0)
 
 
-def _refuse_if_nothing_fits(base: RunConfig, global_batch: int, nproc: int) -> None:
+def _refuse_if_nothing_fits(
+    base: RunConfig, target: layout_choice.Target, global_batch: int, nproc: int
+) -> None:
     memory, _ = preflight.memory_per_rank(nproc)
     hw = _placeholder(memory, nproc)
     gpu = torch.cuda.is_available()  # offload saves device memory only where it is not the host
-    choice = layout_choice.choose(base, hw, global_batch, {}, [], 1.0 if gpu else 0.0)
+    host_bw = 1.0 if gpu else 0.0
+    choice = layout_choice.choose(base, hw, global_batch, {}, [], host_bw, target)
     if choice.result.ranked:
         return
     least = choice.result.smallest
     need = "no layout" if least is None else format_bytes(least.prediction.memory["total"])
-    space = layout_choice.train_space(base.engine.precision, gpu, lambda _: True)
-    stages = layout_choice.gpt_stage_layers(base.model)
-    n = ranks_to_fit(choice.shape, hw, space, base.world_size * 2, stages)
+    space = layout_choice.train_space(base.engine.precision, gpu, lambda _: True, target)
+    n = ranks_to_fit(target.shape, hw, space, base.world_size * 2, target.stages)
     where = f"it would fit on {n} such ranks" if n else "no count of such ranks up to 4096 holds it"
     raise ValueError(
-        f"--auto: no layout of the {base.train.model} model (seq {base.model.seq_len}, global "
+        f"--auto: no layout of the {target.shape.name} model (seq {target.shape.seq_len}, global "
         f"batch {global_batch}) fits {base.world_size} ranks of {format_bytes(memory)}: the "
         f"smallest needs {need} per rank ({least.layout.describe() if least else '-'}); {where}"
     )
 
 
-def calibrate(args: argparse.Namespace, base: RunConfig) -> Calibration:
-    """Launch the calibration on the command's ranks; its JSON back."""
+def calibrate(args: argparse.Namespace, base: RunConfig, command: str = "train") -> Calibration:
+    """Launch the calibration on the command's ranks (``base.finetune``: its Hugging Face
+    model's step is the compute probe); its JSON back."""
     memory, _ = preflight.memory_per_rank(args.nproc_per_node)
     probe = dataclasses.replace(
         base.train, tp=1, pp=1, cp=1, dp_replicate=1, sequence_parallel=False
@@ -116,7 +125,8 @@ def calibrate(args: argparse.Namespace, base: RunConfig) -> Calibration:
                                  pipeline_schedule="1f1b", pipeline_microbatches=1,
                                  pipeline_virtual_stages=1, activation_checkpointing=None,
                                  allreduce_algorithm="native", offload_optimizer=False)  # fmt: skip
-    run = RunConfig(train=probe, engine=engine, world_size=base.world_size, launch=base.launch)
+    run = RunConfig(train=probe, engine=engine, world_size=base.world_size, launch=base.launch,
+                    finetune=base.finetune)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="shardwise-auto-") as tmp:
         config, out = Path(tmp) / "config.json", Path(tmp) / "calibration.json"
         run.write(config)
@@ -125,7 +135,7 @@ def calibrate(args: argparse.Namespace, base: RunConfig) -> Calibration:
                   str(args.nproc_per_node), "--memory-bytes", str(memory)]  # fmt: skip
         if args.nproc_per_node > 1:
             os.environ.setdefault("OMP_NUM_THREADS", "1")
-        result = launch(args, target, "train --auto")
+        result = launch(args, target, f"{command} --auto")
         if result.code != 0 or not out.is_file():
             raise ValueError(f"--auto: the calibration ranks failed (exit code {result.code})")
         return Calibration.from_dict(json.loads(out.read_text()))
@@ -152,21 +162,30 @@ def plan_record(
     }
 
 
-def plan_run(args: argparse.Namespace, base: RunConfig) -> tuple[RunConfig, dict[str, Any]]:
-    """The run of the best layout for ``base`` (its model, data, precision and ranks) and the
-    record of the choice; prints the calibration and the best five. ``ValueError``: nothing
-    fits (before measuring), or the pins leave nothing."""
+def plan_run(
+    args: argparse.Namespace,
+    base: RunConfig,
+    target: layout_choice.Target | None = None,
+    checks: list[layout_choice.Check] | None = None,
+    command: str = "train",
+) -> tuple[RunConfig, dict[str, Any]]:
+    """The run of the best layout of ``target`` (default: ``base``'s built-in GPT) for
+    ``base`` (its data, precision and ranks) that passes ``checks`` (default: the train
+    command's ``CHECKS``), and the record of the choice; prints the calibration and the best
+    five. ``ValueError``: nothing fits (before measuring), or the pins leave nothing."""
+    target = target or layout_choice.gpt_target(base)
+    checks = CHECKS if checks is None else checks
     if args.auto_budget_s is None or not args.auto_budget_s > 0:
         raise ValueError(f"--auto-budget-s must be > 0 seconds, got {args.auto_budget_s}")
     if args.global_batch is not None and args.global_batch < 1:
         raise ValueError(f"--global-batch must be >= 1, got {args.global_batch}")
     batch = args.global_batch or base.global_batch_size
-    _refuse_if_nothing_fits(base, batch, args.nproc_per_node)
-    calib = calibrate(args, base)
-    print(f"shardwise train --auto: {calib.describe()}", flush=True)
+    _refuse_if_nothing_fits(base, target, batch, args.nproc_per_node)
+    calib = calibrate(args, base, command)
+    print(f"shardwise {command} --auto: {calib.describe()}", flush=True)
     given = pins(args)
     choice = layout_choice.choose(
-        base, calib.hardware, batch, given, CHECKS, calib.host_bw_bytes_per_s
+        base, calib.hardware, batch, given, checks, calib.host_bw_bytes_per_s, target
     )
     ranked = choice.result.ranked
     if not ranked:
@@ -182,7 +201,7 @@ def plan_run(args: argparse.Namespace, base: RunConfig) -> tuple[RunConfig, dict
     for i, r in enumerate(ranked[:TOP], 1):
         print(row(i, r, best_step))
     print(f"running #1: {ranked[0].layout.describe()}", flush=True)
-    return layout_choice.run_config(base, ranked[0].layout), plan_record(
+    return layout_choice.run_config(base, ranked[0].layout, target.blocks), plan_record(
         calib, choice, ranked[0], given
     )
 

@@ -102,10 +102,17 @@ class SearchSpace:
     allreduce_algorithms: tuple[str, ...] = ("native",)
     offload: tuple[bool, ...] = (False,)
     hsdp: bool = True
+    fixed_axes: tuple[str, ...] = ()
+    """Mesh axes (``AXES``) held at one: a parallelism the command that runs it lacks."""
     precision: str = "bf16"
     host_bw_bytes_per_s: float = 0.0  # the device-host link, for offload (0: not offloading)
     keep: Callable[[Layout], bool] | None = field(default=None, compare=False)
     """A caller's last word (e.g. the pins and checks of the command that will run it)."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.fixed_axes) - set(AXES))
+        if unknown:
+            raise ValueError(f"fixed_axes {unknown} are not mesh axes; axes: {', '.join(AXES)}")
 
 
 def _factorizations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
@@ -120,7 +127,8 @@ def _factorizations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
 
 def _axis_allowed(axis: str, size: int, shape: ModelShape, hw: Hardware, zero: int) -> bool:
     if axis == "tp":
-        return size <= hw.devices_per_node and shape.heads % size == 0
+        kv = shape.kv_heads or shape.heads
+        return size <= hw.devices_per_node and shape.heads % size == 0 and kv % size == 0
     if axis == "cp":
         return shape.seq_len % (2 * size) == 0
     if axis == "dp_replicate":  # HSDP replicates ZeRO shards; without sharding it is plain dp
@@ -172,6 +180,8 @@ def candidates(
             _axis_allowed(a, size[a], shape, hw, 0) for a in ("tp", "cp")
         ):
             continue
+        if any(size[a] > 1 for a in space.fixed_axes):
+            continue
         per_rank = global_batch // dp
         for (sched, v, layers), method, zero, rec, b, sp, alg, off in itertools.product(
             _pipeline_choices(space, pp, stages),
@@ -217,10 +227,10 @@ def _dp_comm(shape: ModelShape, layout: Layout, hw: Hardware, base: Prediction) 
     plan = layout.plan
     if layout.dp_replicate > 1:
         inner = predict(shape, dataclasses.replace(plan, dp=layout.dp_shard), hw)
-        grads = _local_params(shape, plan) * GRAD_BYTES / layout.zero_shard
+        grads = _local_params(shape, plan) * shape.trainable * GRAD_BYTES / layout.zero_shard
         link = hw.collective_link("all_reduce", plan.tp * layout.zero_shard, layout.dp_replicate)
         return inner.breakdown["dp"] + ring_seconds(link, grads, layout.dp_replicate)
-    nbytes = int(_local_params(shape, plan)) * GRAD_BYTES
+    nbytes = int(_local_params(shape, plan) * shape.trainable) * GRAD_BYTES
     links = _group_links(hw, plan.tp, plan.zero_ranks)
     comm = predict_seconds(layout.allreduce_algorithm, nbytes, GRAD_BYTES, links)
     if not (plan.dp_overlap and hw.overlap):
@@ -229,7 +239,8 @@ def _dp_comm(shape: ModelShape, layout: Layout, hw: Hardware, base: Prediction) 
 
 
 def _local_params(shape: ModelShape, plan: Plan) -> float:
-    """Parameters of one device of the heaviest stage (as the cost model counts them)."""
+    """Parameters of one device of the heaviest stage (as the cost model counts them), frozen
+    ones included."""
     emb = shape.embedding_params() if plan.pp == 1 else shape.vocab * shape.hidden
     return (shape.layers / plan.pp * shape.layer_params() + emb) / plan.tp
 
@@ -250,7 +261,7 @@ def predict_layout(
         if host_bw_bytes_per_s <= 0:
             raise ValueError("offload needs the device-host bandwidth (host_bw_bytes_per_s > 0)")
         shard = layout.zero_shard if plan.zero_stage >= 1 else 1
-        owned = _local_params(shape, plan) / shard
+        owned = _local_params(shape, plan) * shape.trainable / shard
         w = PRECISIONS[plan.precision]
         memory["states"] -= owned * (MASTER_AND_ADAM_BYTES - (4 if w == 4 else 0))
         memory["total"] = memory["states"] + memory["activations"]

@@ -15,12 +15,17 @@ Per device and step (every term in seconds, ``Prediction.breakdown``):
 - p2p: per micro-batch and virtual stage one activation forward and one gradient backward of
   b*s*h/t elements (Megatron's scatter/gather over tp), not overlapped;
 - dp: gradient reduction (all-reduce; reduce-scatter + all-gather from ZeRO-2; plus the ZeRO-3
-  parameter all-gathers of every micro-batch's forward and backward), minus what hides behind
+  parameter all-gathers of every micro-batch's forward and backward, frozen weights included;
+  gradients and the other gathers are of the trainable parameters only), minus what hides behind
   the backward of the last micro-batch (ZeRO-3: behind all compute) when ``dp_overlap`` and
   the hardware overlaps communication with compute (``Hardware.overlap``);
 - cp: context-parallel messages per layer and micro-batch (``costmodel.context``: ring K/V
   blocks or all-to-alls of 1/cp of the activations), not overlapped;
-- optimizer: AdamW streaming its states through memory (36 bytes per local parameter).
+- optimizer: AdamW streaming its states through memory (36 bytes per local trainable
+  parameter).
+
+Frozen parameters (``ModelShape.trainable`` < 1, e.g. LoRA's base) hold their weights only,
+sharded at ZeRO-3.
 
 Under context parallelism (cp > 1) each rank holds 1/cp of every sequence: compute, tp and p2p
 messages and activations are 1/cp of the cp1 plan's, ZeRO shards and gradients reduce over
@@ -108,6 +113,11 @@ def _stage_params(shape: ModelShape, plan: Plan) -> float:
     return (shape.layers / plan.pp * shape.layer_params() + emb) / plan.tp
 
 
+def _trainable_params(shape: ModelShape, plan: Plan) -> float:
+    """The trainable part of ``_stage_params`` (spread evenly: LoRA adapts every layer)."""
+    return _stage_params(shape, plan) * shape.trainable
+
+
 def _stage_layers(shape: ModelShape, plan: Plan) -> list[float]:
     """Transformer layers of each pipeline rank (an even split unless the plan says)."""
     if plan.stage_layers is None:
@@ -158,9 +168,8 @@ def _dp_seconds(shape: ModelShape, plan: Plan, hw: Hardware, compute_s: float) -
     n = plan.zero_ranks  # cp ranks reduce their gradients with the dp ranks
     if n == 1:
         return 0.0
-    params = _stage_params(shape, plan)
-    grads = params * GRAD_BYTES
-    weights = params * PRECISIONS[plan.precision]
+    trained = _trainable_params(shape, plan)
+    grads = trained * GRAD_BYTES
 
     def ring(op: str, nbytes: float) -> float:
         return ring_seconds(hw.collective_link(op, plan.tp, n), nbytes, n, op)
@@ -168,10 +177,12 @@ def _dp_seconds(shape: ModelShape, plan: Plan, hw: Hardware, compute_s: float) -
     zs = ZeroStage.of(plan.zero_stage)
     if not zs.shard_grads:
         comm = ring("all_reduce", grads)
-    else:
+    elif zs.shard_params:  # every weight, frozen too, gathered for each forward and backward
+        weights = _stage_params(shape, plan) * PRECISIONS[plan.precision]
+        comm = ring("reduce_scatter", grads) + 2 * plan.micro_batches * ring("all_gather", weights)
+    else:  # the updated shards of the trained weights, once
         comm = ring("reduce_scatter", grads)
-        gathers = 2 * plan.micro_batches if zs.shard_params else 1
-        comm += gathers * ring("all_gather", weights)
+        comm += ring("all_gather", trained * PRECISIONS[plan.precision])
     if not (plan.dp_overlap and hw.overlap):
         return comm
     window = compute_s if zs.shard_params else compute_s / plan.micro_batches * 2 / 3
@@ -205,15 +216,21 @@ def _pipeline(
 
 
 def _memory(shape: ModelShape, plan: Plan) -> dict[str, float]:
-    """Bytes per device: model states by ZeRO stage (``memory.model_states``, fp32 gradients),
-    activations of the busiest rank (Korthikanti et al. 2022) plus the fp32 logits."""
+    """Bytes per device: model states by ZeRO stage (``memory.model_states``, fp32 gradients)
+    of the trainable parameters and the frozen ones' weights, activations of the busiest rank
+    (Korthikanti et al. 2022) plus the fp32 logits."""
+    params, trained = _stage_params(shape, plan), _trainable_params(shape, plan)
     states = model_states(
-        math.ceil(_stage_params(shape, plan)),
+        math.ceil(trained),
         plan.zero_ranks,
         plan.zero_stage,
         plan.precision,
         grad_dtype=GRAD_DTYPE,
     ).total_bytes
+    frozen = math.ceil(params - trained)
+    if frozen:
+        shards = plan.zero_ranks if ZeroStage.of(plan.zero_stage).shard_params else 1
+        states += math.ceil(frozen / shards) * PRECISIONS[plan.precision]
     per_layer = layer_activation_bytes(
         shape.seq_len,
         plan.micro_batch,
@@ -241,7 +258,7 @@ def predict(shape: ModelShape, plan: Plan, hw: Hardware) -> Prediction:
     elif plan.pp > 1:
         p2p += sync
     sharded = ZeroStage.of(plan.zero_stage).shard_optimizer
-    opt_params = _stage_params(shape, plan) / (plan.zero_ranks if sharded else 1)
+    opt_params = _trainable_params(shape, plan) / (plan.zero_ranks if sharded else 1)
     cp = (
         plan.micro_batches * max(_stage_layers(shape, plan)) * cp_seconds_per_layer(shape, plan, hw)
     )

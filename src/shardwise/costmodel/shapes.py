@@ -15,6 +15,10 @@ class ModelShape:
 
     ``kv_heads`` < ``heads`` is grouped-query attention; ``mlp_matrices`` is 2 for a GELU MLP
     and 3 for a gated one (SwiGLU); ``tied_embeddings`` shares the input and output matrices.
+    ``trainable`` is the share of the parameters the optimizer trains (LoRA: its adapters'); the
+    rest are frozen weights, with no gradient, optimizer state or reduction. ``other_params``
+    corrects the formula's count to a real model's, counted with the embeddings: biases and
+    position tables it leaves out (positive), norms without biases it counts (negative).
     """
 
     name: str
@@ -27,11 +31,17 @@ class ModelShape:
     kv_heads: int = 0  # 0: heads
     mlp_matrices: int = 2
     tied_embeddings: bool = False
+    trainable: float = 1.0
+    other_params: int = 0
 
     def __post_init__(self) -> None:
         for f in ("layers", "hidden", "heads", "vocab", "seq_len"):
             if getattr(self, f) < 1:
                 raise ValueError(f"ModelShape.{f} must be >= 1, got {getattr(self, f)}")
+        if not 0.0 < self.trainable <= 1.0:
+            raise ValueError(f"ModelShape.trainable must be in (0, 1], got {self.trainable}")
+        if self.embedding_params() < 1:
+            raise ValueError(f"ModelShape.other_params {self.other_params} leaves no embeddings")
         if self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} must divide by heads {self.heads}")
         if self.mlp_matrices not in (2, 3):
@@ -51,7 +61,7 @@ class ModelShape:
         return attn + self.mlp_matrices * h * self.ffn + 4 * h  # + two norms (weight, bias)
 
     def embedding_params(self) -> int:
-        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2) + self.other_params
 
     def params(self) -> int:
         return self.layers * self.layer_params() + self.embedding_params()

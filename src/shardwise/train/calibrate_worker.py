@@ -2,13 +2,15 @@
 ``python -m shardwise.train.calibrate_worker RUN_CONFIG OUT --budget-s S ...``.
 
 ``RUN_CONFIG`` (a config.json) names the model, sequence length and precision, and the micro-
-batch of the compute probe: the model's one-rank step, run on every rank at once, each alone.
+batch of the compute probe: the model's one-rank step, run on every rank at once, each alone
+(the built-in GPT's ``Trial``, or a fine-tuning run's ``sft.auto.FinetuneProbe``).
 Rank 0 writes the ``Calibration`` as JSON to ``OUT``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -33,14 +35,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = RunConfig.read(args.run_config)
     world = shardwise.init()
     alone = mpi_split.split(world.rank, 0, group=world.group)  # each rank alone
-    trial = Trial(run, world, group=alone)
     b = run.micro_batch  # the same sequences as b micro-batches of one: their overhead
-    split_run = RunConfig(train=run.train, world_size=run.world_size, launch=run.launch,
-                          engine=run.engine.replace(micro_batch_size=1,
-                                                    gradient_accumulation_steps=b))  # fmt: skip
-    split = Trial(split_run, world, group=alone).step if b > 1 else None
-    probe = ComputeProbe(trial.step, b, run.engine.precision, split)
-    shape = gpt_shape(run.train.model, run.model)
+    split_run = dataclasses.replace(
+        run, engine=run.engine.replace(micro_batch_size=1, gradient_accumulation_steps=b)
+    )
+    if run.finetune is not None:
+        from shardwise.sft.auto import FinetuneProbe, finetune_target
+        from shardwise.sft.options import FinetuneOptions
+
+        ft = FinetuneOptions.from_dict(run.finetune)
+        assert run.train.seq_len is not None  # the launcher resolved it
+        target, _ = finetune_target(Path(ft.model_dir), ft.lora_spec, run.train.seq_len)
+        shape = target.shape
+        step = FinetuneProbe(run, alone).step
+        split = FinetuneProbe(split_run, alone).step if b > 1 else None
+    else:
+        shape = gpt_shape(run.train.model, run.model)
+        step = Trial(run, world, group=alone).step
+        split = Trial(split_run, world, group=alone).step if b > 1 else None
+    probe = ComputeProbe(step, b, run.engine.precision, split)
     calib = calibrate_ranks(
         world.group, shape, probe, args.budget_s, args.devices_per_node, args.memory_bytes
     )

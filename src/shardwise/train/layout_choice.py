@@ -4,8 +4,8 @@ A cost-model ``Layout`` becomes the train command's settings (``train_settings``
 names and values) and the engine config values no flag sets (``engine_values``); a candidate
 is kept only if the flags the user gave (pins) agree with it and the run it describes passes the
 launcher's own checks (layout, pipeline, memory) and ``Config``'s validation. ``choose`` ranks
-what is left on a measured ``Hardware``; ``shardwise train --auto`` calls it (and a fine-tuning
-command can, with its own ``RunConfig``).
+what is left on a measured ``Hardware``; ``shardwise train --auto`` calls it for the built-in
+GPT (``gpt_target``), ``shardwise finetune --auto`` with its Hugging Face model's ``Target``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,13 @@ from typing import Any
 
 from shardwise.comm.algorithms import ALGORITHMS
 from shardwise.costmodel.hardware import Hardware
-from shardwise.costmodel.layout_search import Layout, SearchResult, SearchSpace, search
+from shardwise.costmodel.layout_search import (
+    Layout,
+    SearchResult,
+    SearchSpace,
+    StageLayers,
+    search,
+)
 from shardwise.costmodel.shapes import ModelShape, gpt_shape
 from shardwise.models.gpt import GPTConfig
 from shardwise.parallel.pipeline.partition import partition_layers
@@ -37,18 +43,44 @@ PINNABLE = ("tp", "pp", "cp", "cp_method", "dp_replicate", "zero", "micro_batch"
 """Train flags that pin a dimension of the search when given with ``--auto``."""
 
 
-def train_space(precision: str, offload: bool, keep: Callable[[Layout], bool]) -> SearchSpace:
-    """The dimensions the train command can run: every mesh, ZeRO stage, schedule (two virtual
-    stages when interleaved), micro-batch and accumulation, every all-reduce algorithm of the
-    comm layer; offload only where the device is not the host (``offload``)."""
+@dataclass(frozen=True)
+class Target:
+    """What a command trains, as the search sees it: the model's ``shape``, how a pipeline
+    splits its layers (``stages``; None: evenly), the module classes activation checkpointing
+    wraps (``blocks``), the mesh axes the command cannot split (``fixed_axes``) and whether it
+    runs sequence parallelism."""
+
+    shape: ModelShape
+    stages: StageLayers | None = None
+    blocks: tuple[str, ...] = ("Block",)
+    fixed_axes: tuple[str, ...] = ()
+    sequence_parallel: bool = True
+
+
+def gpt_target(base: RunConfig) -> Target:
+    """The built-in GPT of ``shardwise train``: every axis, its parameter-balanced pipeline."""
+    return Target(gpt_shape(base.train.model, base.model), gpt_stage_layers(base.model))
+
+
+def train_space(
+    precision: str, offload: bool, keep: Callable[[Layout], bool], target: Target | None = None
+) -> SearchSpace:
+    """The dimensions the command can run: every mesh (less ``target.fixed_axes``), ZeRO stage,
+    schedule (two virtual stages when interleaved), micro-batch and accumulation, every
+    all-reduce algorithm of the comm layer; offload only where the device is not the host
+    (``offload``)."""
     algorithms = tuple(a for a in ALGORITHMS if a != "auto")  # auto picks among these itself
-    return SearchSpace(
+    space = SearchSpace(
         recompute=TRAIN_RECOMPUTE,
         allreduce_algorithms=algorithms,
         offload=(False, True) if offload else (False,),
         precision=precision,
         keep=keep,
     )
+    if target is not None:
+        sp = (False, True) if target.sequence_parallel else (False,)
+        space = dataclasses.replace(space, fixed_axes=target.fixed_axes, sequence_parallel=sp)
+    return space
 
 
 def gpt_stage_layers(cfg: GPTConfig) -> Callable[[int, int], tuple[int, ...]]:
@@ -105,9 +137,10 @@ def engine_values(layout: Layout) -> dict[str, Any]:
     }
 
 
-def run_config(base: RunConfig, layout: Layout) -> RunConfig:
-    """``base`` (model, data, precision, world) with ``layout``'s parallelism and batch shape
-    (``ValueError`` if ``Config`` refuses the combination)."""
+def run_config(base: RunConfig, layout: Layout, blocks: tuple[str, ...] = ("Block",)) -> RunConfig:
+    """``base`` (model, data, precision, world) with ``layout``'s parallelism and batch shape,
+    recomputing the ``blocks`` classes under full recomputation (``ValueError`` if ``Config``
+    refuses the combination)."""
     s = train_settings(layout)
     engine = base.engine.replace(
         zero_stage=s["zero"],
@@ -115,7 +148,7 @@ def run_config(base: RunConfig, layout: Layout) -> RunConfig:
         gradient_accumulation_steps=s["grad_accum"],
         pipeline_schedule=s["schedule"],
         pipeline_microbatches=s["microbatches"],
-        activation_checkpointing=["Block"] if s["activation_checkpointing"] else None,
+        activation_checkpointing=list(blocks) if s["activation_checkpointing"] else None,
         **engine_values(layout),
     )
     train = dataclasses.replace(
@@ -127,7 +160,7 @@ def run_config(base: RunConfig, layout: Layout) -> RunConfig:
         dp_replicate=s["dp_replicate"],
         sequence_parallel=s["sequence_parallel"],
     )
-    return RunConfig(train=train, engine=engine, world_size=base.world_size, launch=base.launch)
+    return dataclasses.replace(base, train=train, engine=engine)  # a fine-tuning run stays one
 
 
 def pinned(layout: Layout, pins: Mapping[str, Any]) -> bool:
@@ -140,7 +173,10 @@ Check = Callable[[RunConfig], None]
 
 
 def keeper(
-    base: RunConfig, pins: Mapping[str, Any], checks: list[Check]
+    base: RunConfig,
+    pins: Mapping[str, Any],
+    checks: list[Check],
+    blocks: tuple[str, ...] = ("Block",),
 ) -> Callable[[Layout], bool]:
     """The search's ``keep``: the pins agree, ``Config`` accepts the run and every check
     (raising ``ValueError`` to refuse) passes."""
@@ -152,7 +188,7 @@ def keeper(
         if not pinned(layout, pins):
             return False
         try:
-            run = run_config(base, layout)
+            run = run_config(base, layout, blocks)
             for check in checks:
                 check(run)
         except ValueError:
@@ -179,12 +215,13 @@ def choose(
     pins: Mapping[str, Any],
     checks: list[Check],
     host_bw_bytes_per_s: float = 0.0,
+    target: Target | None = None,
 ) -> Choice:
-    """Every layout of ``base``'s model on its ranks for ``global_batch`` sequences per step,
-    ranked on ``hw`` (see the module docstring)."""
-    cfg = base.model
-    space = train_space(base.engine.precision, host_bw_bytes_per_s > 0, keeper(base, pins, checks))
+    """Every layout of ``target`` (default: ``base``'s built-in GPT) on ``base``'s ranks for
+    ``global_batch`` sequences per step, ranked on ``hw`` (see the module docstring)."""
+    target = target or gpt_target(base)
+    keep = keeper(base, pins, checks, target.blocks)
+    space = train_space(base.engine.precision, host_bw_bytes_per_s > 0, keep, target)
     space = dataclasses.replace(space, host_bw_bytes_per_s=host_bw_bytes_per_s)
-    shape = gpt_shape(base.train.model, cfg)
-    result = search(shape, base.world_size, hw, global_batch, space, gpt_stage_layers(cfg))
-    return Choice(shape, result, hw, global_batch)
+    result = search(target.shape, base.world_size, hw, global_batch, space, target.stages)
+    return Choice(target.shape, result, hw, global_batch)
