@@ -5,7 +5,7 @@ step time of the built-in GPT and its MFU.
 
 1. ``pytest tests/gpu`` (NCCL collectives and the engine on NCCL, CUDA model-state bytes
    against the engine's report and the ZeRO formulas, GPU topology facts, bf16 matmul
-   calibration), its summary line printed.
+   calibration, ``finetune --auto`` of the demo Llama on one GPU), its summary line printed.
 2. One rank, ZeRO-0: median step (after 3 warm-ups) in fp32 and bf16, tokens/s, the bf16 speedup,
    and MFU = model FLOPs per step (``shardwise.costmodel``: 6 x parameters x tokens plus
    attention) / step time / the device's dense bf16 peak (the matching preset's).
