@@ -145,7 +145,7 @@ def _earlier_screen(path: str | None, model: str, n: int, batch: int) -> dict[st
 def _config(pool: Any, model: str, n: int, batch: int, args: Any) -> dict:
     from shardwise.cli.train_auto import CHECKS
     from shardwise.costmodel.calibrate_ranks import Calibration
-    from shardwise.costmodel.layout_search import rank_correlation
+    from shardwise.costmodel.rank_correlation import rank_correlation
     from shardwise.train import layout_choice
 
     calib = Calibration.from_dict(pool.run(calibrate_rank, model, args.budget_s, timeout_s=900)[0])

@@ -20,10 +20,10 @@ from shardwise.costmodel.layout_search import (
     layout_from_record,
     layout_record,
     predict_layout,
-    rank_correlation,
     ranks_to_fit,
     search,
 )
+from shardwise.costmodel.rank_correlation import rank_correlation
 from shardwise.costmodel.shapes import gpt_shape
 from shardwise.models.gpt import GPTConfig
 from shardwise.train import layout_choice

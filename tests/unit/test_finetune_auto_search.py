@@ -108,7 +108,7 @@ def _model(path: Path, lora: str | None):
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_model_shape_matches_the_model(dirs, kind):
-    from shardwise.sft.auto import model_shape
+    from shardwise.train.finetune_auto import model_shape
 
     config, model = _model(dirs[kind], None)
     shape = model_shape(model, config, 48, kind)
@@ -122,7 +122,7 @@ def test_model_shape_matches_the_model(dirs, kind):
 
 
 def test_lora_shape_trains_the_adapters_share(dirs):
-    from shardwise.sft.auto import model_shape
+    from shardwise.train.finetune_auto import model_shape
 
     config, model = _model(dirs["llama"], "r=4,alpha=8,targets=q_proj,v_proj")
     params = list(model.parameters())
@@ -140,8 +140,8 @@ def _run(world: int = 4) -> RunConfig:
 
 
 def test_finetune_search_covers_dp_zero_tp_only_and_keeps_the_run_a_finetune(dirs):
-    from shardwise.sft.auto import finetune_target
     from shardwise.sft.lora import LoraSpec
+    from shardwise.train.finetune_auto import finetune_target
 
     target, checks = finetune_target(dirs["llama"], LoraSpec.parse("r=4,targets=q_proj"), 48)
     assert target.fixed_axes == ("cp", "pp") and not target.sequence_parallel
@@ -160,8 +160,8 @@ def test_finetune_search_covers_dp_zero_tp_only_and_keeps_the_run_a_finetune(dir
 
 
 def test_a_tp_degree_the_plan_cannot_split_is_refused_by_the_check(dirs):
-    from shardwise.sft.auto import finetune_target
     from shardwise.sft.lora import LoraSpec
+    from shardwise.train.finetune_auto import finetune_target
 
     _, checks = finetune_target(dirs["llama"], LoraSpec.parse("r=4,targets=embed_tokens"), 48)
     run = _run()

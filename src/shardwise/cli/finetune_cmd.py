@@ -180,7 +180,7 @@ def _new_run(args: argparse.Namespace) -> tuple[RunConfig, RunDir, dict[str, Any
         )
     if not args.auto:
         return run, run_dir, None
-    from shardwise.sft.auto import finetune_target
+    from shardwise.train.finetune_auto import finetune_target
 
     target, checks = finetune_target(Path(ft.model_dir), ft.lora_spec, seq_len)
     run, plan = train_auto.plan_run(args, run, target, checks, "finetune")

@@ -18,7 +18,8 @@ from pathlib import Path
 from shardwise.cli import train_auto
 from shardwise.cli.launch import DEFAULT_RDZV_TIMEOUT_S, launch
 from shardwise.config import Config
-from shardwise.costmodel.layout_search import Ranked, rank_correlation
+from shardwise.costmodel.layout_search import Ranked
+from shardwise.costmodel.rank_correlation import rank_correlation
 from shardwise.models.gpt import MODEL_SIZES
 from shardwise.train import layout_choice
 from shardwise.train.options import RunConfig, TrainOptions

@@ -3,7 +3,7 @@
 
 ``RUN_CONFIG`` (a config.json) names the model, sequence length and precision, and the micro-
 batch of the compute probe: the model's one-rank step, run on every rank at once, each alone
-(the built-in GPT's ``Trial``, or a fine-tuning run's ``sft.auto.FinetuneProbe``).
+(the built-in GPT's ``Trial``, or a fine-tuning run's ``train.finetune_auto.FinetuneProbe``).
 Rank 0 writes the ``Calibration`` as JSON to ``OUT``.
 """
 
@@ -40,8 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         run, engine=run.engine.replace(micro_batch_size=1, gradient_accumulation_steps=b)
     )
     if run.finetune is not None:
-        from shardwise.sft.auto import FinetuneProbe, finetune_target
         from shardwise.sft.options import FinetuneOptions
+        from shardwise.train.finetune_auto import FinetuneProbe, finetune_target
 
         ft = FinetuneOptions.from_dict(run.finetune)
         assert run.train.seq_len is not None  # the launcher resolved it

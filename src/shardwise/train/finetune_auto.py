@@ -154,11 +154,10 @@ class FinetuneProbe:
 
     def step(self) -> float:
         """One optimizer step on fresh random sequences; this rank's seconds."""
-        from shardwise.comm import current_world
         from shardwise.sft.collator import Batch
         from shardwise.sft.step import micro_losses
 
-        run, dev = self.run, current_world.device()
+        run, dev = self.run, self.group.world.device
         seq = run.train.seq_len
         batches = []
         for _ in range(run.engine.gradient_accumulation_steps):
