@@ -91,7 +91,15 @@ def _killed_mid_run(root: Path, args: tuple[str, ...], run: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "how", [("--lora", LORA), ("--full",), ("--lora", TP_LORA, "--tp", "2", "--grad-accum", "2")]
+    "how",
+    [
+        ("--lora", LORA),
+        # the longest two run in CI's long step
+        pytest.param(("--full",), marks=pytest.mark.long),
+        pytest.param(
+            ("--lora", TP_LORA, "--tp", "2", "--grad-accum", "2"), marks=pytest.mark.long
+        ),
+    ],
 )
 def test_killed_run_resumes_bitwise_and_outputs_reload(root: Path, how: tuple[str, ...]) -> None:
     name = "-".join(h.strip("-") for h in how if h.startswith("--"))

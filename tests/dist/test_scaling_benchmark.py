@@ -17,6 +17,9 @@ REPO = Path(__file__).resolve().parents[2]
 SYSTEMS = {"dp", "zero3", "tp", "pp"}
 
 
+pytestmark = pytest.mark.long  # a minute of benchmark runs: CI runs it in its long step
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, str]:
     out = tmp_path_factory.mktemp("scaling")
