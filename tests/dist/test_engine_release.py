@@ -39,7 +39,8 @@ def _task(stage: int) -> tuple[bool, bool, int]:
     engine.step()
     weight, eng = weakref.ref(model[0].weight), weakref.ref(engine)
     del model, engine
-    return eng() is None, weight() is None, _flat_buffers() - before
+    left = _flat_buffers() - before  # collects first: the weak references are read after
+    return eng() is None, weight() is None, left
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
