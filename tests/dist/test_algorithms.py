@@ -57,7 +57,7 @@ def _equality_task(sizes: list[int]) -> list[str]:
     return digests
 
 
-@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("world", [2, 3, 4, pytest.param(8, marks=pytest.mark.long)])
 def test_equal_to_native_and_identical_on_every_rank(world):
     sizes = SIZES if world <= 4 else SIZES[:7]  # 8 ranks on 2 cores: keep it to 16 KiB
     digests = run_on_ranks(world, _equality_task, sizes, timeout_s=600)

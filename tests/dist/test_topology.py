@@ -77,6 +77,7 @@ def test_collectives_are_fitted_where_they_run():
     assert 0 <= loss < 1  # the share of compute lost meeting at blocking all_reduces
 
 
+@pytest.mark.long  # about 20 s of timed links: CI runs it in its long step
 def test_emulated_nodes_group_ranks_and_slow_the_inter_node_links():
     link = "inter=alpha:2ms,bw:0.2GB/s"
     results = run_on_ranks(4, _discover_task, "0,0,1,1", link, timeout_s=600)
