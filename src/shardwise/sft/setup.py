@@ -81,6 +81,12 @@ def tp_plan_of(config: Any, tp_size: int) -> dict[str, str]:
     return plan_of()
 
 
+def under_peft(plan: Mapping[str, str]) -> dict[str, str]:
+    """``plan`` (naming the plain model's modules) for the model peft wraps: nested under
+    peft's prefix."""
+    return {PEFT_PREFIX + k: v for k, v in plan.items()}
+
+
 def check_base_weights(model: torch.nn.Module, model_dir: Path) -> None:
     """Every tensor of ``model`` (a meta model is fine) is in ``model_dir`` with its shape, and
     nothing else is: ``WeightsError`` naming the differences. Reads the file headers only."""
@@ -104,8 +110,7 @@ def build_finetune_model(
     if lora is not None:
         if tensor is not None:
             check_lora_under_tp(model, lora, tensor)
-            # the plan names the plain model's modules; peft nests the model under a prefix
-            tensor = {PEFT_PREFIX + k: v for k, v in tensor.items()}
+            tensor = under_peft(tensor)
         model = apply_lora(model, lora)
     built = parallelize(model, mesh, ParallelPlan(tensor=tensor))
     init_fn = None if lora is None else adapter_init_fn(built.module, seed, built.placements)

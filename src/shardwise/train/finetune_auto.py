@@ -25,13 +25,10 @@ import torch
 
 from shardwise.costmodel.shapes import ModelShape
 from shardwise.deferred import deferred_init
-from shardwise.parallel.tensor.adapters import split_off_adapters
-from shardwise.parallel.tensor.plan import resolve
-from shardwise.parallel.tensor.validate import validate
-from shardwise.sft.base_weights import PEFT_PREFIX
+from shardwise.parallel.tensor.parallelize import check_plan
 from shardwise.sft.lora import LoraSpec, apply_lora
 from shardwise.sft.model import check_model_dir, decoder_layer_classes
-from shardwise.sft.setup import TP_PLANS
+from shardwise.sft.setup import TP_PLANS, under_peft
 from shardwise.train.layout_choice import Check, Target
 from shardwise.train.options import RunConfig
 
@@ -91,10 +88,7 @@ def _tp_check(model: torch.nn.Module, plan: dict[str, str] | None) -> Check:
             try:
                 if plan is None:
                     raise ValueError("no tensor-parallel plan")
-                styles, carried = split_off_adapters(
-                    dict(model.named_modules()), resolve(model, plan)
-                )
-                validate(model, styles, tp, False, carried)
+                check_plan(model, plan, tp)
             except (ValueError, TypeError) as exc:
                 verdicts[tp] = str(exc)
         if verdicts[tp] is not None:
@@ -120,8 +114,7 @@ def finetune_target(
         with warnings.catch_warnings():  # peft's deprecation notices: not the user's concern
             warnings.simplefilter("ignore", FutureWarning)
             model = apply_lora(model, lora)
-        if plan is not None:  # the plan names the plain model's modules; peft nests them
-            plan = {PEFT_PREFIX + k: v for k, v in plan.items()}
+        plan = None if plan is None else under_peft(plan)
     shape = model_shape(model, config, seq_len, model_dir.name or config.model_type)
     fixed = FINETUNE_FIXED_AXES + (() if plan is not None else ("tp",))
     return Target(shape, None, blocks, fixed, sequence_parallel=False), [_tp_check(model, plan)]

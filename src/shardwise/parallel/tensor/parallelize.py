@@ -265,6 +265,22 @@ def _resolve(model: nn.Module, mesh: Mesh, plan: Mapping[str, str]) -> dict[str,
     return styles
 
 
+def _checked_styles(
+    model: nn.Module, resolved: dict[str, str], tp_size: int, sp: bool
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The plan's ``resolved`` styles with LoRA layers' moved to their bases, and those LoRA
+    layers (``split_off_adapters``), after checking the whole plan at ``tp_size``."""
+    styles, carried = split_off_adapters(dict(model.named_modules()), resolved)
+    validate(model, styles, tp_size, sp, carried)
+    return styles, carried
+
+
+def check_plan(model: nn.Module, plan: Mapping[str, str], tp_size: int) -> None:
+    """Raise what ``parallelize`` would for ``plan`` at ``tp_size`` (no sequence parallelism),
+    changing nothing: a meta ``model`` is fine, no mesh or group is needed."""
+    _checked_styles(model, resolve(model, plan), tp_size, False)
+
+
 def refuse_unmatched_on_every_stage(
     model: nn.Module, mesh: Mesh, plan: Mapping[str, str], unmatched: list[str]
 ) -> None:
@@ -309,8 +325,8 @@ def parallelize(
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a shardwise Mesh, got {type(mesh).__name__}")
     modules = dict(model.named_modules())
-    styles, carried = split_off_adapters(modules, _resolve(model, mesh, plan))
-    validate(model, styles, mesh.tp_size, bool(sequence_parallel), carried)
+    styles, carried = _checked_styles(model, _resolve(model, mesh, plan), mesh.tp_size,
+                                      bool(sequence_parallel))  # fmt: skip
     tp = TensorParallel(model, mesh, bool(sequence_parallel))
     entry_names = [n for n, s in styles.items() if s == "sequence_entry"]
     if entry_names and tp.sequence_parallel and tp.tp_size > 1:
