@@ -51,7 +51,8 @@ class _Pool:
     def _start(self) -> Any:
         from shardwise.testing import RankPool
 
-        return RankPool(self.n, pg_timeout_s=900.0, start_timeout_s=300.0)
+        # the layouts' engines live on between turns, and so must their groups
+        return RankPool(self.n, pg_timeout_s=900.0, start_timeout_s=300.0, keep_groups=True)
 
     def run(self, *args: Any, **kwargs: Any) -> list[Any]:
         return self.pool.run(*args, **kwargs)

@@ -212,7 +212,8 @@ def _timed_in_turns(ranks: list[int], systems: list[str], args: Any) -> dict:
     runs: dict[tuple[int, str], dict] = {}
     for n in [r for r in ranks if r > 1] or [1]:
         jobs = [(1, "dp")] + [(n, s) for s in ("alone", *systems) if n > 1]
-        pools = {job: RankPool(job[0], pg_timeout_s=900.0, start_timeout_s=300.0) for job in jobs}
+        pools = {job: RankPool(job[0], pg_timeout_s=900.0, start_timeout_s=300.0,
+                               keep_groups=True) for job in jobs}  # fmt: skip
         try:
             for rnd in range(args.rounds):
                 for job, pool in pools.items():

@@ -69,7 +69,13 @@ def _release_task_groups(pg_timeout_s: float) -> None:
 
 
 def _worker(
-    rank: int, world_size: int, store_dir: str, tasks: Any, results: Any, pg_timeout_s: float
+    rank: int,
+    world_size: int,
+    store_dir: str,
+    tasks: Any,
+    results: Any,
+    pg_timeout_s: float,
+    keep_groups: bool,
 ) -> None:
     import datetime
 
@@ -105,7 +111,8 @@ def _worker(
         try:
             _reset_rank_state(seed, pg_timeout_s)
             value = fn(*args, **kwargs)
-            _release_task_groups(pg_timeout_s)
+            if not keep_groups:
+                _release_task_groups(pg_timeout_s)
             results.put((rank, "ok", value))
         except BaseException:
             results.put((rank, "error", traceback.format_exc()))
@@ -114,10 +121,18 @@ def _worker(
 
 
 class RankPool:
-    """W live ranks on gloo that run tasks on demand."""
+    """W live ranks on gloo that run tasks on demand.
+
+    After each task the ranks destroy the torch groups it formed (idle gloo groups cost CPU).
+    ``keep_groups=True`` keeps them, for tasks that leave engines or groups behind for a later
+    task (a benchmark that times the same engines in turns)."""
 
     def __init__(
-        self, world_size: int, pg_timeout_s: float = 60.0, start_timeout_s: float = 120.0
+        self,
+        world_size: int,
+        pg_timeout_s: float = 60.0,
+        start_timeout_s: float = 120.0,
+        keep_groups: bool = False,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -131,7 +146,15 @@ class RankPool:
                 target=_worker,
                 daemon=True,
                 name=f"shardwise-rank{r}",
-                args=(r, world_size, self._dir, self._tasks[r], self._results, pg_timeout_s),
+                args=(
+                    r,
+                    world_size,
+                    self._dir,
+                    self._tasks[r],
+                    self._results,
+                    pg_timeout_s,
+                    keep_groups,
+                ),
             )
             for r in range(world_size)
         ]
@@ -198,13 +221,21 @@ class RankPool:
         return self._collect(getattr(fn, "__name__", "task"), timeout_s)
 
     def close(self) -> None:
+        if self._ask_to_stop():
+            self._reap(time.monotonic() + 3)
+
+    def _ask_to_stop(self) -> bool:
+        """Tell every rank to leave; False if the pool was already closed."""
         if not self.alive:
-            return
+            return False
         self.alive = False
         for q in self._tasks:
             with contextlib.suppress(Exception):
                 q.put(None)
-        deadline = time.monotonic() + 3
+        return True
+
+    def _reap(self, deadline: float) -> None:
+        """Wait for the ranks until ``deadline``, then kill what is left."""
         for p in self._procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self._procs:
@@ -242,8 +273,11 @@ def run_on_ranks(
 
 
 def close_pools() -> None:
-    for pool in _pools.values():
-        pool.close()
+    # every pool's ranks leave at once, so the pools' waits overlap
+    stopping = [pool for pool in _pools.values() if pool._ask_to_stop()]
+    deadline = time.monotonic() + 3
+    for pool in stopping:
+        pool._reap(deadline)
     _pools.clear()
 
 

@@ -141,3 +141,37 @@ def test_groups_are_formed_on_first_use_by_their_members_alone():
         assert after_tp <= 1 and shared == after_tp  # 0 when an earlier test formed it
         assert half_sum == (21.0 if r < 2 else None)
         assert total == 4.0
+
+
+_KEPT: dict[str, object] = {}  # per rank process: a mesh one task builds and the next uses
+
+
+def _keep_mesh_task():
+    mesh = _KEPT.setdefault("mesh", shardwise.Mesh(dp=2, tp=2))
+    assert isinstance(mesh, shardwise.Mesh)
+    return shardwise.all_reduce(torch.tensor([1.0]), group=mesh.group("tp")).item()
+
+
+def _destroyed_group_task():
+    import torch.distributed as dist
+
+    mesh = shardwise.Mesh(dp=2, tp=2)
+    tp = mesh.group("tp")
+    shardwise.all_reduce(torch.tensor([1.0]), group=tp)
+    dist.destroy_process_group(tp.pg)
+    with pytest.raises(RuntimeError, match="was destroyed .* build those anew"):
+        shardwise.all_reduce(torch.tensor([1.0]), group=tp)
+    return True
+
+
+def test_groups_live_as_long_as_the_pool_keeps_them():
+    """A pool that keeps groups lets the next task use a mesh the last one built (a benchmark
+    timing engines in turns); a group whose torch group was destroyed under it says so."""
+    from shardwise.testing import RankPool
+
+    pool = RankPool(4, keep_groups=True)
+    try:
+        assert [pool.run(_keep_mesh_task) for _ in range(2)] == [[2.0] * 4] * 2
+    finally:
+        pool.close()
+    assert run_on_ranks(4, _destroyed_group_task) == [True] * 4

@@ -91,7 +91,7 @@ class World:
         return self._pg_link.pg
 
     def _link(self, pg: ProcessGroup | None) -> _Link:
-        link = _Link(pg)
+        link = _Link(pg, registered=pg is not None and local_group.is_live(pg))
         self._links.append(link)
         return link
 
@@ -206,6 +206,8 @@ class _Link:
     pg: ProcessGroup | None
     released: bool = False
     form: Callable[[], ProcessGroup] | None = None  # set: formed on first use (``group_on_use``)
+    # ``pg`` is in torch's registry: its leaving it means someone destroyed it under us
+    registered: bool = False
 
 
 @dataclass
@@ -255,7 +257,16 @@ class Group:
             with self.world._forming:  # one formation, even with a writer thread beside
                 if self.link.form is not None:
                     self.link.pg, self.link.form = self.link.form(), None
-        return self.link.pg
+                    self.link.registered = True
+        pg = self.link.pg
+        # destroyed under us: torch itself would only say the group "is not registered"
+        if pg is not None and self.link.registered and not local_group.is_live(pg):
+            raise RuntimeError(
+                f"{self!r}: its torch process group was destroyed (destroy_process_group) while"
+                " shardwise still uses it; destroy groups only after the engines and groups"
+                " over them are gone, or build those anew"
+            )
+        return pg
 
     @property
     def size(self) -> int:
