@@ -101,7 +101,7 @@ def _bytes_task(alg: str) -> tuple[int, int, int, int]:
     )
 
 
-@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("world", [2, 3, 4, pytest.param(8, marks=pytest.mark.long)])
 @pytest.mark.parametrize("alg", [*FLAT, "hierarchical"])
 def test_wire_bytes_match_the_formulas(world, alg):
     stats = run_on_ranks(world, _bytes_task, alg, timeout_s=600)

@@ -37,7 +37,11 @@ def _train(run_dir: RunDir, *layout: str) -> None:
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
 
 
-@pytest.mark.parametrize("layout", [["--pp", "2"], ["--tp", "2"]], ids=["pp2", "tp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [pytest.param(["--pp", "2"], marks=pytest.mark.long), ["--tp", "2"]],
+    ids=["pp2", "tp2"],
+)
 def test_export_of_a_run_loads_into_the_plain_gpt(tmp_path, capsys, layout):
     run_dir = RunDir(tmp_path / "run")
     _train(run_dir, *layout)

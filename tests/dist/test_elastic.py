@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "elastic_train.py"
@@ -23,6 +24,7 @@ def _launch(tmp: Path, name: str, kill_at_step: int) -> subprocess.Popen[str]:
                             env=env)
 
 
+@pytest.mark.long
 def test_killed_rank_restarts_and_resumes_to_identical_weights(tmp_path):
     # both jobs at once: each spends most of its time starting processes
     runs = {"killed": _launch(tmp_path, "killed", 5), "clean": _launch(tmp_path, "clean", -1)}

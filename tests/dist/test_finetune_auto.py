@@ -61,6 +61,7 @@ def test_finetune_auto_chooses_trains_and_records_predicted_and_measured(inputs,
     assert (run_dir.root / "adapter" / "adapter_config.json").is_file()
 
 
+@pytest.mark.long
 def test_finetune_auto_respects_pinned_flags(inputs, tmp_path):
     run_dir = RunDir(tmp_path / "run")
     out = _cli(*inputs, "--steps", "2", "--tp", "2", "--zero", "1", "--micro-batch", "2",

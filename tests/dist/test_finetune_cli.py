@@ -208,6 +208,7 @@ def _generate(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.long
 def test_demo_finetunes_and_generate_reads_runs_and_model_dirs(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "shardwise.cli.main", "finetune", "--demo", str(tmp_path)]

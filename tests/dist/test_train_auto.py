@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from auto_checks import check_pinned, check_recorded
 
 from shardwise.cli.main import main
@@ -57,6 +59,7 @@ def test_auto_refuses_a_model_no_layout_holds_in_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.long
 def test_plan_measure_runs_the_top_layouts():
     out = _cli("plan", "--measure", "--model", "tiny", "--devices", "2", "--global-batch", "4",
                "--auto-budget-s", "4", "--top", "3", "--run-top", "2", "--run-steps", "2")  # fmt: skip

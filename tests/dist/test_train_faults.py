@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 import psutil
+import pytest
 from launcher_procs import TINY_TRAIN, Cli, assert_all_gone, wait_ranks
 
 from shardwise.checkpoint import verify
@@ -46,6 +47,7 @@ def _steps(run_dir: RunDir) -> list[int]:
     return [r["step"] for r in read_metrics(run_dir.metrics)]
 
 
+@pytest.mark.long
 def test_killed_launcher_leaves_no_rank_and_its_lock_refuses_then_yields(tmp_path):
     run_dir = RunDir(tmp_path / "run")
     first = _train(run_dir, "--steps", "3000", "--checkpoint-every", "3")

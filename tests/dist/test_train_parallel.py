@@ -127,6 +127,7 @@ def test_dp2_tp2_sequence_parallel_matches_one_process(one_process, tmp_path):
     assert_two_steps_match(one_process, run_dir)
 
 
+@pytest.mark.long
 def test_dp4_hierarchical_sharding_matches_one_process(one_process, tmp_path):
     # 4 ranks: 2 replicas x ZeRO-3 over 2 ranks, each rank reading 2 of the 8 sequences
     run_dir = RunDir(tmp_path / "run")
@@ -185,7 +186,9 @@ def test_pp2_1f1b_resumed_matches_one_process_with_stage_times(one_process, tmp_
     "layout",
     [
         ["--schedule", "zb_h1", "--micro-batch", "4", "--zero", "3"],  # pp2 x dp2
-        ["--micro-batch", "4", "--zero", "1", "--dp-replicate", "2"],  # pp2 x (2 replicas of 1)
+        pytest.param(  # pp2 x (2 replicas of 1)
+            ["--micro-batch", "4", "--zero", "1", "--dp-replicate", "2"], marks=pytest.mark.long
+        ),
     ],
     ids=["pp2_dp2_zero3_zb_h1", "pp2_hsdp_zero1"],
 )
@@ -209,6 +212,7 @@ def test_pp2_on_four_ranks_matches_one_process(one_process, tmp_path, layout):
     assert len(stages) == 2
 
 
+@pytest.mark.long
 def test_pp2_tp2_sp_interleaved_matches_one_process(tmp_path):
     """Interleaved 1F1B runs pp x 2 stages, each needing a transformer block: the small GPT's 4
     blocks on pp2 x tp2 with sequence parallelism (the tiny one's 2 are refused)."""
