@@ -28,7 +28,13 @@ from shardwise.costmodel.shapes import gpt_shape
 from shardwise.models.gpt import GPTConfig
 from shardwise.train import layout_choice
 from shardwise.train.options import RunConfig, TrainOptions
-from shardwise.train.plan_check import measured_terms, missed_most
+from shardwise.train.plan_check import (
+    CHECK_AFTER,
+    WARMUP_STEPS,
+    PlanCheck,
+    measured_terms,
+    missed_most,
+)
 
 LINK = LinkCost(1e-4, 1e-9, duplex=False)
 
@@ -171,3 +177,22 @@ def test_measured_terms_split_the_step_and_name_the_worst_miss():
     assert terms["compute"] == pytest.approx(1.0 - 0.2 - 0.1)
     assert sum(terms.values()) == pytest.approx(1.0)
     assert missed_most(predicted, terms) == "compute"
+
+
+@pytest.mark.parametrize("step_s, warned", [(1.0, True), (0.6, False), (0.45, False)])
+def test_a_run_off_its_prediction_warns_once_naming_the_term(step_s, warned, caplog):
+    breakdown = {"compute": 0.3, "tp": 0.0, "bubble": 0.0, "p2p": 0.0, "dp": 0.1,
+                 "optimizer": 0.1}  # fmt: skip
+    check = PlanCheck({"predicted": {"step_time_s": 0.5, "breakdown_s": breakdown}})
+    steps = range(1, WARMUP_STEPS + 2 * CHECK_AFTER + 1)
+    with caplog.at_level("WARNING", logger="shardwise.train"):
+        for i in steps:  # the warm-up steps are slow: they never count
+            check.observe(_record(i, 9.0 if i <= WARMUP_STEPS else step_s, [0.1, 0.1], 0.1))
+    lines = [r.getMessage() for r in caplog.records]
+    # 1.0 s is +100% (over 25%): the measured compute (0.8 s) missed its 0.3 s the most;
+    # 0.6 s (+20%) and 0.45 s (-10%) are within 25%
+    assert len(lines) == (1 if warned else 0), lines
+    if warned:
+        assert "+100% off the predicted 0.500 s" in lines[0]
+        assert f"median of steps {WARMUP_STEPS + 1}-{WARMUP_STEPS + CHECK_AFTER}" in lines[0]
+        assert "the term that missed most: compute" in lines[0]
