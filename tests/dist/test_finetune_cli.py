@@ -93,8 +93,8 @@ def _killed_mid_run(root: Path, args: tuple[str, ...], run: str) -> None:
 @pytest.mark.parametrize(
     "how",
     [
-        ("--lora", LORA),
-        # the longest two run in CI's long step
+        # every case runs in CI's long step (tens of seconds each)
+        pytest.param(("--lora", LORA), marks=pytest.mark.long),
         pytest.param(("--full",), marks=pytest.mark.long),
         pytest.param(
             ("--lora", TP_LORA, "--tp", "2", "--grad-accum", "2"), marks=pytest.mark.long

@@ -106,6 +106,7 @@ def _launcher(node_rank: int, port: int, out: str) -> subprocess.Popen:
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.long
 def test_two_launchers_form_two_nodes(tmp_path):
     port = free_port()
     outs = [str(tmp_path / f"topo{i}.json") for i in range(2)]

@@ -21,7 +21,7 @@ def _losses(run_dir: RunDir) -> list[tuple[float, float | None]]:
     return [(r["loss"], r.get("val_loss")) for r in read_metrics(run_dir.metrics)]
 
 
-@pytest.mark.parametrize("method", ["ring", "all_to_all"])
+@pytest.mark.parametrize("method", ["ring", pytest.param("all_to_all", marks=pytest.mark.long)])
 def test_train_cp2_matches_one_process(tmp_path, method):
     one, cp = RunDir(tmp_path / "one"), RunDir(tmp_path / "cp")
     out = _train(*STEPS, "--nproc-per-node", "1", "--run-dir", str(one.root))

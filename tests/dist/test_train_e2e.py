@@ -85,6 +85,7 @@ def test_report_and_generate(trained, capsys):
     assert "step 30" in out.err
 
 
+@pytest.mark.long
 def test_ctrl_c_stops_every_rank_then_resume_continues(tmp_path):
     run_dir = RunDir(tmp_path / "run")
     proc = subprocess.Popen(

@@ -75,6 +75,7 @@ def test_killed_launcher_leaves_no_rank_and_its_lock_refuses_then_yields(tmp_pat
     assert steps == list(range(1, steps[-1] + 1)) and steps[-1] == resumed_from + 3
 
 
+@pytest.mark.long
 def test_a_killed_rank_restarts_from_the_newest_checkpoint_keeping_the_metrics(tmp_path):
     run_dir = RunDir(tmp_path / "run")
     cli = _train(run_dir, "--steps", "14", "--checkpoint-every", "4", "--max-restarts", "1")

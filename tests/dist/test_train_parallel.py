@@ -119,6 +119,7 @@ def assert_two_steps_match(one_process: RunDir, run_dir: RunDir) -> None:
     torch.testing.assert_close(torch.tensor(got_val), torch.tensor(want_val[:1]), rtol=0, atol=1e-5)
 
 
+@pytest.mark.long
 def test_dp2_tp2_sequence_parallel_matches_one_process(one_process, tmp_path):
     # 4 ranks: dp2 x tp2, each dp replica reads half of the 8 sequences the single process does
     run_dir = RunDir(tmp_path / "run")
@@ -151,6 +152,7 @@ def check_final_model(run_dir: RunDir, reference: RunDir) -> None:
         torch.testing.assert_close(tensor, want[name], rtol=0, atol=1e-4)
 
 
+@pytest.mark.long
 def test_pp2_1f1b_resumed_matches_one_process_with_stage_times(one_process, tmp_path, capsys):
     run_dir = RunDir(tmp_path / "run")
     common = ["--nproc-per-node", "2", "--checkpoint-every", "2", "--run-dir", str(run_dir.root)]
