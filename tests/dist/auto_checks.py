@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from shardwise.bytesize import format_bytes
 from shardwise.train.metrics import read_metrics
 from shardwise.train.plan_check import PLAN_NAME, TERMS, WARMUP_STEPS
 from shardwise.train.rundir import RunDir
@@ -44,3 +45,18 @@ def check_pinned(run_dir: RunDir) -> None:
     assert plan["pins"] == {"tp": 2, "zero": 1, "micro_batch": 2}
     for row in plan["top"]:
         assert " tp2 " in row["layout"] and " zero1 " in row["layout"]
+
+
+def check_printed_top(stdout: str, run_dir: RunDir) -> None:
+    """The table ``--auto`` printed before running: ``plan.json``'s best five (at most), each
+    with its predicted step, memory per rank and breakdown, the first one run."""
+    plan = json.loads((run_dir.root / PLAN_NAME).read_text())
+    rows = stdout.split("breakdown):\n", 1)[1].split("running #1:", 1)[0].splitlines()
+    assert len(rows) == len(plan["top"]), rows
+    for i, (line, top) in enumerate(zip(rows, plan["top"], strict=True), 1):
+        assert line.split()[0] == str(i) and top["layout"] in line, line
+        assert f"{top['step_time_s']:.3f}" in line, line
+        assert format_bytes(top["memory_bytes_per_rank"]["total"]) in line, line
+        shown = {k: v for k, v in top["breakdown_s"].items() if v > 5e-4}  # terms over 0.5 ms
+        assert shown and line.endswith(" ".join(f"{k} {v * 1e3:.0f}ms" for k, v in shown.items()))
+    assert f"running #1: {plan['top'][0]['layout']}" in stdout

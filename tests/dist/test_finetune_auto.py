@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from auto_checks import check_pinned, check_recorded
+from auto_checks import check_pinned, check_printed_top, check_recorded
 
 from shardwise.sft import demo
 from shardwise.train.plan_check import PLAN_NAME
@@ -44,8 +44,8 @@ def test_finetune_auto_chooses_trains_and_records_predicted_and_measured(inputs,
     out = _cli(*inputs, "--steps", "8", "--global-batch", "8", "--run-dir", str(run_dir.root))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "shardwise finetune --auto: calibrated in" in out.stdout
-    assert "running #1:" in out.stdout
     got = check_recorded(run_dir, 8, 8)
+    check_printed_top(out.stdout, run_dir)
     plan = json.loads((run_dir.root / PLAN_NAME).read_text())
     settings = plan["settings"]
     assert (settings["pp"], settings["cp"], settings["sequence_parallel"]) == (1, 1, False)

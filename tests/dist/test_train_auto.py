@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from auto_checks import check_pinned, check_recorded
+from auto_checks import check_pinned, check_printed_top, check_recorded
 
 from shardwise.cli.main import main
 from shardwise.train.rundir import RunDir
@@ -36,6 +36,7 @@ def test_auto_chooses_trains_and_records_predicted_and_measured(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "calibrated in" in out.stdout and "running #1:" in out.stdout
     check_recorded(run_dir, 8, 8)
+    check_printed_top(out.stdout, run_dir)
     assert main(["report", str(run_dir.root)]) == 0
     assert (run_dir.report / "prediction.png").read_bytes()[:4] == b"\x89PNG"
 
